@@ -1,0 +1,191 @@
+"""Dynamic batching: concurrent Encode calls feed one bounded queue, one worker thread runs the forwards.
+
+The worker takes whatever is waiting (up to a number of images and of patches per batch, after an
+optional short wait for more), runs one forward for all of it and resolves each item's future on
+its caller's event loop. Items whose caller went away are dropped before they cost a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from protos.errors import OverloadedError, TokenCountMismatchError, UnavailableError
+
+from .models import ImageEmbedding, PreparedImage, VisionEncoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchingConfig:
+    max_batch_images: int = 32
+    max_batch_patches: int = 65536
+    max_wait_ms: float = 0.0
+    max_queue_items: int = 256
+    max_queue_patches: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class EncodedItem:
+    """An item's embedding with the timings of the batch that produced it."""
+
+    output: ImageEmbedding
+    queue_ms: float
+    forward_ms: float
+    batch_size: int
+
+
+@dataclass
+class _Pending:
+    prepared: PreparedImage
+    future: asyncio.Future
+    enqueued: float
+
+
+class Batcher:
+    """Owns the forward thread; `submit` is called from the event loop."""
+
+    def __init__(self, encoder: VisionEncoder, config: BatchingConfig = BatchingConfig()):
+        self.encoder = encoder
+        self.config = config
+        self._queue: deque[_Pending] = deque()
+        self._queued_patches = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="encoder-forward", daemon=True)
+        self.alive = False
+
+    def start(self) -> None:
+        self.alive = True
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def submit(self, items: Sequence[PreparedImage]) -> list[asyncio.Future]:
+        """Queues a call's items together, or refuses them all with OverloadedError."""
+        loop = asyncio.get_running_loop()
+        patches = sum(item.num_patches for item in items)
+        now = time.perf_counter()
+        with self._cond:
+            if not self.alive:
+                raise UnavailableError("the encoder's forward worker is not running")
+            cfg = self.config
+            if len(self._queue) + len(items) > cfg.max_queue_items or (
+                self._queue and self._queued_patches + patches > cfg.max_queue_patches
+            ):
+                raise OverloadedError(
+                    f"encoder queue is full ({len(self._queue)} items, {self._queued_patches} patches "
+                    f"waiting; limits {cfg.max_queue_items} items, {cfg.max_queue_patches} patches)"
+                )
+            pending = [_Pending(item, loop.create_future(), now) for item in items]
+            self._queue.extend(pending)
+            self._queued_patches += patches
+            self._cond.notify()
+        return [p.future for p in pending]
+
+    def _take_batch(self) -> list[_Pending]:
+        cfg = self.config
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return []
+            deadline = time.perf_counter() + cfg.max_wait_ms / 1000
+            batch: list[_Pending] = []
+            patches = 0
+            while True:
+                while self._queue and len(batch) < cfg.max_batch_images:
+                    head = self._queue[0]
+                    if batch and patches + head.prepared.num_patches > cfg.max_batch_patches:
+                        break
+                    self._queue.popleft()
+                    self._queued_patches -= head.prepared.num_patches
+                    if head.future.done():  # the caller cancelled or its deadline passed
+                        continue
+                    batch.append(head)
+                    patches += head.prepared.num_patches
+                full = len(batch) >= cfg.max_batch_images or (
+                    self._queue and patches + self._queue[0].prepared.num_patches > cfg.max_batch_patches
+                )
+                remaining = deadline - time.perf_counter()
+                if full or remaining <= 0 or self._stopping:
+                    return batch
+                self._cond.wait(remaining)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                batch = self._take_batch()
+                if not batch:
+                    if self._stopping:
+                        return
+                    continue
+                self._forward(batch)
+        except BaseException:
+            log.exception("forward worker died")
+            raise
+        finally:
+            self.alive = False
+            self._fail_queued()
+
+    def _forward(self, batch: list[_Pending]) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self._encode(batch)
+        except Exception as exc:  # delivered to every caller in the batch
+            for p in batch:
+                _resolve(p.future, exception=exc)
+            return
+        forward_ms = (time.perf_counter() - start) * 1000
+        for p, output in zip(batch, outputs):
+            queue_ms = (start - p.enqueued) * 1000
+            _resolve(p.future, result=EncodedItem(output, queue_ms, forward_ms, len(batch)))
+
+    def _encode(self, batch: list[_Pending]) -> list[ImageEmbedding]:
+        try:
+            return self.encoder.encode([p.prepared for p in batch])
+        except TokenCountMismatchError:
+            if len(batch) == 1:
+                raise
+        # Find the culprit: run each alone, so only the item at fault fails.
+        outputs: list[ImageEmbedding] = []
+        for p in batch:
+            try:
+                outputs.extend(self.encoder.encode([p.prepared]))
+            except TokenCountMismatchError as exc:
+                _resolve(p.future, exception=exc)
+                outputs.append(None)  # type: ignore[arg-type]  # its future is already done
+        return outputs
+
+    def _fail_queued(self) -> None:
+        with self._cond:
+            pending, self._queue = list(self._queue), deque()
+            self._queued_patches = 0
+        for p in pending:
+            _resolve(p.future, exception=UnavailableError("the encoder is shutting down"))
+
+
+def _resolve(future: asyncio.Future, *, result=None, exception: BaseException | None = None) -> None:
+    def apply() -> None:
+        if future.done():
+            return
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+
+    future.get_loop().call_soon_threadsafe(apply)

@@ -1,0 +1,26 @@
+"""The server's settings, built whole by the CLI (or a test) and handed to the server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .batcher import BatchingConfig
+from .images import DEFAULT_MAX_IMAGE_PIXELS
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    model: str
+    host: str = "0.0.0.0"
+    port: int = 50051
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype: torch.dtype = torch.bfloat16
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    preprocess_workers: int = 4
+    max_items_per_request: int = 64
+    max_request_bytes: int = 256 << 20
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    grace_seconds: float = 30.0
+    warmup: bool = True

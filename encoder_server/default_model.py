@@ -1,0 +1,76 @@
+"""Writes the built-in default model: a small Qwen2.5-VL checkpoint with deterministic random weights.
+
+It has the real checkpoint layout (config.json, model.safetensors, preprocessor_config.json) and
+the real embedding width of Qwen2.5-VL-3B (2048), so payload sizes are realistic, but its
+embeddings are random-weight outputs with no meaning. A RANDOM_WEIGHTS marker file says so, and
+the server logs and reports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS"
+DEFAULT_MODEL_DIR = Path("models/default-qwen2_5_vl")
+SEED = 0
+
+
+def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size: int = 2048) -> Path:
+    """Builds the full tiny VLM (language model included), saves it in bf16, returns the directory."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out_dir = Path(out_dir)
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=4,
+            hidden_size=128,
+            intermediate_size=256,
+            num_heads=4,
+            out_hidden_size=hidden_size,
+            fullatt_block_indexes=[1, 3],
+            window_size=112,
+        ),
+        text_config=dict(
+            hidden_size=hidden_size,
+            intermediate_size=256,
+            num_hidden_layers=1,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            bos_token_id=1004,
+            eos_token_id=1005,
+            pad_token_id=1006,
+            rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6},
+        ),
+        image_token_id=1000,
+        video_token_id=1001,
+        vision_start_token_id=1002,
+        vision_end_token_id=1003,
+        bos_token_id=1004,
+        eos_token_id=1005,
+        pad_token_id=1006,
+    )
+    torch.manual_seed(SEED)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16).eval()
+    model.save_pretrained(out_dir)
+    # The real Qwen2-VL checkpoints' limits: 4 to 16384 tokens per image.
+    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).save_pretrained(out_dir)
+    (out_dir / RANDOM_WEIGHTS_MARKER).write_text(
+        "This checkpoint has deterministic random weights (seed 0): its embeddings have no meaning.\n"
+    )
+    return out_dir
+
+
+def ensure_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR) -> Path:
+    """The default model's directory, written first if it is not there yet."""
+    out_dir = Path(out_dir)
+    if not (out_dir / RANDOM_WEIGHTS_MARKER).exists():
+        write_default_model(out_dir)
+    return out_dir
+
+
+def has_random_weights(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / RANDOM_WEIGHTS_MARKER).exists()

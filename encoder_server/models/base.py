@@ -1,0 +1,68 @@
+"""The contract every vision-tower family implements: preprocess one image, encode a batch."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """What a loaded tower serves; the server's ModelInfo RPC reports it."""
+
+    family: str
+    model_type: str
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    num_deepstack_layers: int
+    weights_fingerprint: str
+    # Every image-processor setting that changes the output, canonicalized: part of cache keys.
+    preprocess_fingerprint: str
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image after the checkpoint's own image processor, ready for the tower."""
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    num_tokens: int  # what the tower must produce for this image
+    num_patches: int  # rows of pixel_values before merging: the forward's cost unit
+
+
+@dataclass(frozen=True)
+class ImageEmbedding:
+    """One image's output: LLM-space embedding rows, plus deepstack features where the family has them."""
+
+    embedding: torch.Tensor  # [num_tokens, hidden_size]
+    deepstack: torch.Tensor | None = None  # [num_deepstack_layers, num_tokens, hidden_size]
+
+
+class VisionEncoder(abc.ABC):
+    """A loaded vision tower (and projector) of one checkpoint, on one device and dtype.
+
+    `preprocess` runs on CPU worker threads and is safe to call concurrently; `encode` runs one
+    forward for a batch, on one thread at a time.
+    """
+
+    spec: ModelSpec
+
+    @abc.abstractmethod
+    def preprocess(self, image: Image.Image) -> PreparedImage:
+        """Runs the checkpoint's image processor on one RGB image."""
+
+    @abc.abstractmethod
+    def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
+        """One forward pass over the batch; outputs are on the CPU, in the served dtype.
+
+        Raises TokenCountMismatchError (naming the batch position) when the tower's output does
+        not match an image's `num_tokens`.
+        """

@@ -1,0 +1,186 @@
+"""The EncoderService servicer: protobuf in, preprocessing pool and batcher, framed bytes out."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+
+import grpc
+
+from protos import encoder_pb2 as pb
+from protos import encoder_pb2_grpc as pb_grpc
+from protos import wire
+from protos.data_uri import decode_data_uri
+from protos.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
+
+from . import __version__
+from .batcher import Batcher, EncodedItem
+from .config import ServerConfig
+from .images import decode_image
+from .models import ModelSpec, PreparedImage, VisionEncoder
+
+log = logging.getLogger(__name__)
+
+
+def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        family=spec.family,
+        model_type=spec.model_type,
+        hidden_size=spec.hidden_size,
+        dtype=wire.WIRE_DTYPES[spec.dtype],
+        patch_size=spec.patch_size,
+        spatial_merge_size=spec.spatial_merge_size,
+        temporal_patch_size=spec.temporal_patch_size,
+        num_deepstack_layers=spec.num_deepstack_layers,
+        weights_fingerprint=spec.weights_fingerprint,
+        device=str(spec.device),
+        random_weights=random_weights,
+        max_items_per_request=config.max_items_per_request,
+        max_request_bytes=config.max_request_bytes,
+        server_version=__version__,
+    )
+
+
+def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
+    """Refuses a request whose shape is wrong before any of its items is decoded."""
+    non_image = [pb.Modality.Name(item.modality).lower() for item in request.items if item.modality != pb.IMAGE]
+    if non_image:
+        raise UnsupportedModalityError(non_image)
+    if not request.items:
+        raise InvalidItemError("request has no items")
+    if len(request.items) > config.max_items_per_request:
+        raise InvalidItemError(
+            f"request has {len(request.items)} items, over the limit of {config.max_items_per_request}"
+        )
+    indices = [item.index for item in request.items]
+    if len(set(indices)) != len(indices):
+        raise InvalidItemError(f"request repeats item indices: {indices}")
+
+
+def _maps_errors(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
+    """Turns domain errors into their status code, and anything else into a bare INTERNAL."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for message in method(self, request, context):
+                yield message
+        except EncoderError as exc:
+            await context.abort(status_for(exc), str(exc))
+        except Exception:
+            log.exception("request %r failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error while encoding; see the server log")
+
+    return wrapper
+
+
+class EncoderServicer(pb_grpc.EncoderServiceServicer):
+    def __init__(
+        self,
+        encoder: VisionEncoder,
+        batcher: Batcher,
+        preprocess_pool: Executor,
+        config: ServerConfig,
+        random_weights: bool,
+    ):
+        self.encoder = encoder
+        self.batcher = batcher
+        self.preprocess_pool = preprocess_pool
+        self.config = config
+        self.info = model_info(encoder.spec, config, random_weights)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        return self.info
+
+    @_maps_errors
+    async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
+        started = time.perf_counter()
+        check_request(request, self.config)
+        loop = asyncio.get_running_loop()
+        prepared = await asyncio.gather(
+            *(loop.run_in_executor(self.preprocess_pool, self._prepare, item) for item in request.items)
+        )
+        preprocess_ms = (time.perf_counter() - started) * 1000
+        futures = self.batcher.submit(prepared)
+        try:
+            for item, prep, future in zip(request.items, prepared, futures):
+                encoded: EncodedItem = await future
+                for message in self._item_messages(item.index, prep, encoded, preprocess_ms):
+                    yield message
+        finally:
+            for future in futures:
+                future.cancel()  # no-op for finished ones; frees queued work of a cancelled call
+        log.info(
+            "request %s: %d items, %d tokens, %.1f ms",
+            request.request_id,
+            len(prepared),
+            sum(p.num_tokens for p in prepared),
+            (time.perf_counter() - started) * 1000,
+        )
+
+    def _prepare(self, item: pb.ImageItem) -> PreparedImage:
+        """Bytes to pixel values, on a preprocessing thread. Errors name the item."""
+        try:
+            data = self._item_bytes(item)
+            image = decode_image(data, max_pixels=self.config.max_image_pixels)
+            return self.encoder.preprocess(image)
+        except InvalidItemError as exc:
+            raise InvalidItemError(f"item {item.index}: {exc}") from None
+
+    def _item_bytes(self, item: pb.ImageItem) -> bytes:
+        source = item.WhichOneof("source")
+        if source == "data":
+            data = item.data
+        elif source == "url":
+            if not item.url.startswith("data:"):
+                scheme = item.url.split(":", 1)[0]
+                raise InvalidItemError(f"unsupported URL scheme {scheme!r}: this server accepts data: URIs")
+            data = decode_data_uri(item.url)
+        else:
+            raise InvalidItemError("item has neither data nor url")
+        if item.content_sha256 and hashlib.sha256(data).digest() != item.content_sha256:
+            raise InvalidItemError("content_sha256 does not match the item's bytes")
+        return data
+
+    def _item_messages(self, index: int, prep: PreparedImage, encoded: EncodedItem, preprocess_ms: float):
+        output = encoded.output
+        parts = [output.embedding] + ([output.deepstack] if output.deepstack is not None else [])
+        num_layers = 0 if output.deepstack is None else output.deepstack.shape[0]
+        header = pb.ItemHeader(
+            index=index,
+            num_tokens=prep.num_tokens,
+            grid_thw=prep.grid_thw,
+            hidden_size=output.embedding.shape[1],
+            dtype=wire.WIRE_DTYPES[output.embedding.dtype],
+            num_deepstack_layers=num_layers,
+            payload_bytes=sum(part.numel() * part.element_size() for part in parts),
+            timing=pb.Timing(queue_ms=encoded.queue_ms, preprocess_ms=preprocess_ms, forward_ms=encoded.forward_ms),
+        )
+        yield pb.EncodeResponse(header=header)
+        for part in parts:
+            yield from wire.chunk_messages(wire.tensor_bytes(part))
+
+
+def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, with Encode's responses framed by protos.wire instead of protobuf."""
+    service = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
+    return grpc.method_handlers_generic_handler(
+        service,
+        {
+            "Encode": grpc.unary_stream_rpc_method_handler(
+                servicer.Encode,
+                request_deserializer=pb.EncodeRequest.FromString,
+                response_serializer=wire.serialize_response,
+            ),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                servicer.GetModelInfo,
+                request_deserializer=pb.GetModelInfoRequest.FromString,
+                response_serializer=pb.ModelInfo.SerializeToString,
+            ),
+        },
+    )

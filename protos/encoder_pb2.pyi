@@ -1,0 +1,128 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODALITY_UNSPECIFIED: _ClassVar[Modality]
+    IMAGE: _ClassVar[Modality]
+    VIDEO: _ClassVar[Modality]
+    AUDIO: _ClassVar[Modality]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+MODALITY_UNSPECIFIED: Modality
+IMAGE: Modality
+VIDEO: Modality
+AUDIO: Modality
+DTYPE_UNSPECIFIED: DType
+BFLOAT16: DType
+FLOAT16: DType
+FLOAT32: DType
+
+class ImageItem(_message.Message):
+    __slots__ = ("index", "modality", "data", "url", "content_sha256")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    modality: Modality
+    data: bytes
+    url: str
+    content_sha256: bytes
+    def __init__(self, index: _Optional[int] = ..., modality: _Optional[_Union[Modality, str]] = ..., data: _Optional[bytes] = ..., url: _Optional[str] = ..., content_sha256: _Optional[bytes] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "items")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    items: _containers.RepeatedCompositeFieldContainer[ImageItem]
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_ms", "preprocess_ms", "forward_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_MS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    preprocess_ms: float
+    forward_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+
+class ItemHeader(_message.Message):
+    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRID_THW_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEEPSTACK_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    num_tokens: int
+    grid_thw: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    dtype: DType
+    num_deepstack_layers: int
+    payload_bytes: int
+    cache_hit: bool
+    timing: Timing
+    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: ItemHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[ItemHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("family", "model_type", "hidden_size", "dtype", "patch_size", "spatial_merge_size", "temporal_patch_size", "num_deepstack_layers", "weights_fingerprint", "device", "random_weights", "max_items_per_request", "max_request_bytes", "server_version")
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPATIAL_MERGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TEMPORAL_PATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEEPSTACK_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RANDOM_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ITEMS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    family: str
+    model_type: str
+    hidden_size: int
+    dtype: DType
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    num_deepstack_layers: int
+    weights_fingerprint: str
+    device: str
+    random_weights: bool
+    max_items_per_request: int
+    max_request_bytes: int
+    server_version: str
+    def __init__(self, family: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., num_deepstack_layers: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., max_items_per_request: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,74 @@
+"""Normalizes a request's items: the image-only rule, and reading each image's bytes on this side."""
+
+from __future__ import annotations
+
+import enum
+import os
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protos.data_uri import decode_data_uri
+from protos.errors import InvalidItemError, UnsupportedModalityError
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """One image to send: its position in the caller's request, and its encoded bytes."""
+
+    index: int
+    data: bytes
+
+
+def modality_name(item: Mapping[str, Any]) -> str:
+    """The item's modality as a lower-case name; items without one are images."""
+    modality = item.get("modality", "image")
+    if isinstance(modality, enum.Enum):
+        modality = modality.name
+    return str(modality).lower()
+
+
+def check_image_only(items: Sequence[Mapping[str, Any]]) -> None:
+    """Raises UnsupportedModalityError listing every non-image modality, in item order."""
+    non_image = [modality_name(item) for item in items if modality_name(item) != "image"]
+    if non_image:
+        raise UnsupportedModalityError(non_image)
+
+
+def read_image_bytes(item: Mapping[str, Any], index: int, file_roots: Sequence[Path] | None) -> bytes:
+    """The encoded image bytes of an item given as `data` (bytes) or `url` (file:// or data:)."""
+    data = item.get("data")
+    url = item.get("url")
+    if data is not None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidItemError(f"item {index}: 'data' must be bytes, got {type(data).__name__}")
+        return bytes(data)
+    if url is None:
+        raise InvalidItemError(f"item {index}: has neither 'data' nor 'url'")
+    if not isinstance(url, str):
+        raise InvalidItemError(f"item {index}: 'url' must be a string, got {type(url).__name__}")
+    try:
+        if url.startswith("data:"):
+            return decode_data_uri(url)
+        if url.startswith("file://"):
+            return _read_file(url, file_roots)
+    except InvalidItemError as exc:
+        raise InvalidItemError(f"item {index}: {exc}") from None
+    scheme = url.split(":", 1)[0] if ":" in url else "(none)"
+    raise InvalidItemError(f"item {index}: unsupported URL scheme {scheme!r}; use file://, data: or 'data'")
+
+
+def _read_file(url: str, file_roots: Sequence[Path] | None) -> bytes:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise InvalidItemError(f"file:// URL names a remote host {parsed.netloc!r}")
+    path = Path(urllib.request.url2pathname(parsed.path)).resolve()
+    if file_roots is not None and not any(path.is_relative_to(root) for root in file_roots):
+        raise InvalidItemError(f"file {path} is outside the allowed directories")
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InvalidItemError(f"cannot read {path}: {os.strerror(exc.errno) if exc.errno else exc}") from None
