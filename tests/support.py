@@ -1,0 +1,116 @@
+"""Shared test helpers: real images, tiny real checkpoints, and encoder servers on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from encoder_server.batcher import BatchingConfig
+from encoder_server.config import ServerConfig
+from encoder_server.server import EncoderServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG", mode: str = "RGB") -> bytes:
+    """A real encoded image of random pixels."""
+    rng = np.random.RandomState(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    pixels = rng.randint(0, 256, (height, width, channels), dtype=np.uint8)
+    image = Image.fromarray(pixels[..., 0] if channels == 1 else pixels, mode)
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return buf.getvalue()
+
+
+def reference_features(model_dir: Path, images: list[bytes], dtype: torch.dtype = torch.float32):
+    """The full VLM's own get_image_features on each image, run in-process: the ground truth."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from encoder_server.images import decode_image
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype).eval()
+    processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    outputs = []
+    with torch.inference_mode():
+        for data in images:
+            inputs = processor(images=[decode_image(data)], return_tensors="pt")
+            features = model.get_image_features(
+                pixel_values=inputs["pixel_values"].to(dtype), image_grid_thw=inputs.get("image_grid_thw")
+            )
+            outputs.append(features)
+    return outputs
+
+
+def server_config(model_dir: Path, **overrides) -> ServerConfig:
+    """A loopback config on an OS-chosen port, fp32 unless told otherwise."""
+    batching = overrides.pop("batching", BatchingConfig())
+    defaults = dict(model=str(model_dir), host="127.0.0.1", port=0, device="cpu", dtype=torch.float32, grace_seconds=2.0)
+    defaults.update(overrides)
+    return ServerConfig(batching=batching, **defaults)
+
+
+@contextlib.asynccontextmanager
+async def running_server(model_dir: Path, encoder=None, **overrides) -> AsyncIterator[EncoderServer]:
+    """An in-process encoder server on 127.0.0.1; `server.url` is its grpc:// URL."""
+    server = EncoderServer(server_config(model_dir, **overrides), encoder=encoder)
+    await server.start()
+    server.url = f"grpc://127.0.0.1:{server.port}"  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0.5)
+
+
+@dataclasses.dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+_READY = re.compile(r"encoder server ready on \S+:(\d+)")
+
+
+@contextlib.contextmanager
+def server_process(model_dir: Path, *flags: str, log_dir: Path, timeout: float = 120.0) -> Iterator[ServerProcess]:
+    """`python -m encoder_server` in a child process on 127.0.0.1; waits for its ready log line."""
+    log_path = log_dir / f"server-{time.monotonic_ns()}.log"
+    log_file = log_path.open("w")
+    args = [sys.executable, "-m", "encoder_server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen([*args, *flags], stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            match = _READY.search(log_path.read_text(errors="replace"))
+            if match:
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"encoder server did not start:\n{log_path.read_text(errors='replace')}")
+            time.sleep(0.1)
+        yield ServerProcess(process, int(match.group(1)), log_path)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        log_file.close()
