@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
-import os
-import re
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,6 +14,7 @@ from PIL import Image
 
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig
+from encoder_server.launcher import LaunchedServer, launch_server
 from encoder_server.server import EncoderServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -74,43 +70,9 @@ async def running_server(model_dir: Path, encoder=None, **overrides) -> AsyncIte
         await server.stop(grace=0.5)
 
 
-@dataclasses.dataclass
-class ServerProcess:
-    process: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"grpc://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-_READY = re.compile(r"encoder server ready on \S+:(\d+)")
-
-
 @contextlib.contextmanager
-def server_process(model_dir: Path, *flags: str, log_dir: Path, timeout: float = 120.0) -> Iterator[ServerProcess]:
-    """`python -m encoder_server` in a child process on 127.0.0.1; waits for its ready log line."""
+def server_process(model_dir: Path, *flags: str, log_dir: Path, **kwargs) -> Iterator[LaunchedServer]:
+    """`python -m encoder_server` in a child process on 127.0.0.1, its log under log_dir."""
     log_path = log_dir / f"server-{time.monotonic_ns()}.log"
-    log_file = log_path.open("w")
-    args = [sys.executable, "-m", "encoder_server", "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen([*args, *flags], stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            match = _READY.search(log_path.read_text(errors="replace"))
-            if match:
-                break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"encoder server did not start:\n{log_path.read_text(errors='replace')}")
-            time.sleep(0.1)
-        yield ServerProcess(process, int(match.group(1)), log_path)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
-        log_file.close()
+    with launch_server(model_dir, *flags, log_path=log_path, **kwargs) as server:
+        yield server

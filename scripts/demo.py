@@ -1,0 +1,122 @@
+"""The demo: two encoder servers on the built-in default model, a few images through the receiver,
+and a check that the result equals the same model run in-process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from encoder_server.default_model import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
+from encoder_server.launcher import launch_server  # noqa: E402
+from receiver import EncoderReceiver  # noqa: E402
+
+
+def picture(width: int, height: int, hue: int) -> Image.Image:
+    """A simple drawn scene, so the images are real pictures of different sizes."""
+    image = Image.new("RGB", (width, height), (hue, 120, 255 - hue))
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((width * 0.2, height * 0.2, width * 0.7, height * 0.8), fill=(250, 220, 40))
+    draw.rectangle((width * 0.55, height * 0.5, width * 0.95, height * 0.95), fill=(30, 30, 30))
+    return image
+
+
+def encoded(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return buf.getvalue()
+
+
+def build_items(workdir: Path) -> tuple[list[dict], list[bytes]]:
+    """Five images, given the three ways a prefill node may hold them."""
+    cat = workdir / "cat.png"
+    cat.write_bytes(encoded(picture(640, 480, 40), "PNG"))
+    wide = encoded(picture(1280, 320, 90), "JPEG")
+    small = encoded(picture(96, 96, 140), "PNG")
+    tall = encoded(picture(300, 900, 190), "JPEG")
+    tiny = encoded(picture(1, 1, 240), "PNG")
+    items = [
+        {"modality": "image", "url": cat.as_uri()},
+        {"modality": "image", "url": "data:image/jpeg;base64," + base64.b64encode(wide).decode()},
+        {"modality": "image", "data": small},
+        {"modality": "image", "data": tall},
+        {"modality": "image", "data": tiny},
+    ]
+    return items, [cat.read_bytes(), wide, small, tall, tiny]
+
+
+def in_process_reference(model_dir: Path, images: list[bytes], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The full VLM's own get_image_features, per image, in this process."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from encoder_server.images import decode_image
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype).eval()
+    processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    out = []
+    with torch.inference_mode():
+        for data in images:
+            inputs = processor(images=[decode_image(data)], return_tensors="pt")
+            features = model.get_image_features(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+            out.append(features.pooler_output[0])
+    return out
+
+
+async def encode(urls: list[str], items: list[dict]):
+    async with EncoderReceiver(urls) as rx:
+        started = time.perf_counter()
+        result = await rx.encode("demo-1", items)
+        return result, (time.perf_counter() - started) * 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=str(REPO_ROOT / DEFAULT_MODEL_DIR), help="checkpoint (default: built-in)")
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args()
+
+    model_dir = ensure_default_model(args.model) if args.model == str(REPO_ROOT / DEFAULT_MODEL_DIR) else Path(args.model)
+    print(f"model: {model_dir} (built-in default: random weights, embeddings are not meaningful)")
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        servers = [
+            stack.enter_context(launch_server(model_dir, "--dtype", args.dtype, log_path=workdir / f"server{i}.log"))
+            for i in range(2)
+        ]
+        urls = [s.url for s in servers]
+        print(f"encoders: {', '.join(urls)}")
+        items, images = build_items(workdir)
+        result, total_ms = asyncio.run(encode(urls, items))
+
+        print(f"\n{'item':>4}  {'source':<6} {'encoder':<24} {'grid_thw':<14} {'tokens':>6} {'hidden':>6}  {'dtype':<9} {'time ms':>8}")
+        for item, spec in zip(result.items, items):
+            source = "data" if "data" in spec else spec["url"].split(":", 1)[0]
+            print(
+                f"{item.index:>4}  {source:<6} {item.encoder_url:<24} {str(item.grid_thw):<14} {item.num_tokens:>6} "
+                f"{item.hidden_size:>6}  {str(item.embedding.dtype).removeprefix('torch.'):<9} {item.stream_ms:>8.1f}"
+            )
+        print(f"request: {result.num_tokens} tokens x {result.embedding.shape[1]} in {total_ms:.0f} ms")
+
+    dtype = result.embedding.dtype
+    reference = in_process_reference(model_dir, images, dtype)
+    worst = max((item.embedding.float() - ref.float()).abs().max().item() for item, ref in zip(result.items, reference))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    ok = worst <= tolerance and all(i.embedding.shape == r.shape for i, r in zip(result.items, reference))
+    print(f"\nin-process get_image_features check: max |diff| = {worst:.2e} (tolerance {tolerance:g}): {'OK' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
