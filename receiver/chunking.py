@@ -24,7 +24,9 @@ def check_items_offset(items_offset: ItemsOffset, num_tokens: int | Sequence[int
     previous_end = -1
     for i, (start, end) in enumerate(items_offset):
         if start < 0 or end < start:
-            raise ItemsOffsetError(f"item {i}: items_offset run ({start}, {end}) is not an inclusive range of positions")
+            raise ItemsOffsetError(
+                f"item {i}: items_offset run ({start}, {end}) is not an inclusive range of positions"
+            )
         if start <= previous_end:
             raise ItemsOffsetError(
                 f"item {i}: items_offset run ({start}, {end}) starts at or before the previous run's end "
@@ -34,23 +36,32 @@ def check_items_offset(items_offset: ItemsOffset, num_tokens: int | Sequence[int
     lengths = [end - start + 1 for start, end in items_offset]
     if isinstance(num_tokens, int):
         if sum(lengths) != num_tokens:
-            raise ItemsOffsetError(f"items_offset covers {sum(lengths)} positions, the embedding has {num_tokens} rows")
+            raise ItemsOffsetError(
+                f"items_offset covers {sum(lengths)} positions, the embedding has {num_tokens} rows"
+            )
         return
     if len(lengths) != len(num_tokens):
         raise ItemsOffsetError(f"items_offset has {len(lengths)} runs for {len(num_tokens)} items")
     for i, (length, expected) in enumerate(zip(lengths, num_tokens)):
         if length != expected:
             start, end = items_offset[i]
-            raise ItemsOffsetError(f"item {i}: items_offset run ({start}, {end}) covers {length} positions, the item has {expected} tokens")
+            raise ItemsOffsetError(
+                f"item {i}: items_offset run ({start}, {end}) covers {length} positions, "
+                f"the item has {expected} tokens"
+            )
 
 
 def chunk_bounds(extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset) -> tuple[int, int]:
-    """Rows start:end of the embedding whose positions lie in [extend_prefix_len, extend_prefix_len + extend_seq_len).
+    """Rows start:end of the embedding whose positions lie in the window.
+
+    The window is [extend_prefix_len, extend_prefix_len + extend_seq_len).
 
     `items_offset` must already be checked (sorted and disjoint).
     """
     if extend_prefix_len < 0 or extend_seq_len < 0:
-        raise ValueError(f"extend_prefix_len={extend_prefix_len} and extend_seq_len={extend_seq_len} must be >= 0")
+        raise ValueError(
+            f"extend_prefix_len={extend_prefix_len} and extend_seq_len={extend_seq_len} must be >= 0"
+        )
     return (
         _positions_before(items_offset, extend_prefix_len),
         _positions_before(items_offset, extend_prefix_len + extend_seq_len),

@@ -74,15 +74,15 @@ class EncoderReceiver:
         return dict(zip(self.urls, infos))
 
     async def served_model(self) -> pb.ModelInfo:
-        """The model the encoders serve, fetched once per receiver; they must agree on hidden size and dtype."""
+        """The model the encoders serve, fetched once per receiver; they must agree on hidden size, dtype."""
         async with self._served_model_lock:
             if self._served_model is None:
                 try:
                     infos = await self.model_info()
                 except grpc.aio.AioRpcError as exc:
-                    raise error_class_for(exc.code())(
-                        f"cannot fetch ModelInfo to check precomputed items: {exc.code().name}: {exc.details()}"
-                    ) from None
+                    status = f"{exc.code().name}: {exc.details()}"
+                    message = f"cannot fetch ModelInfo to check precomputed items: {status}"
+                    raise error_class_for(exc.code())(message) from None
                 self._served_model = agreed_model(infos)
         return self._served_model
 
@@ -121,7 +121,7 @@ class EncoderReceiver:
         return EncodeResult(request_id, [results[i] for i in range(len(items))])
 
     async def _precomputed_results(self, items: Sequence[Mapping[str, Any]]) -> dict[int, ItemResult]:
-        """Results of the items that carry their embedding, by index; fetches ModelInfo only if there are any."""
+        """Results of the items that carry their embedding, by index; ModelInfo is fetched only for them."""
         indices = [index for index, item in enumerate(items) if is_precomputed(item)]
         if not indices:
             return {}

@@ -56,13 +56,25 @@ class ModelStamp:
 
     @classmethod
     def of_info(cls, info: pb.ModelInfo) -> ModelStamp:
-        return cls(info.model_type, info.weights_fingerprint, _dtype_name(wire.TORCH_DTYPES[info.dtype]), info.hidden_size)
+        return cls(
+            info.model_type,
+            info.weights_fingerprint,
+            _dtype_name(wire.TORCH_DTYPES[info.dtype]),
+            info.hidden_size,
+        )
 
     @classmethod
     def of_metadata(cls, metadata: dict[str, str]) -> ModelStamp:
         return cls(
-            metadata["model_type"], metadata["weights_fingerprint"], metadata["dtype"], int(metadata["hidden_size"])
+            metadata["model_type"],
+            metadata["weights_fingerprint"],
+            metadata["dtype"],
+            int(metadata["hidden_size"]),
         )
+
+    def __str__(self) -> str:
+        weights = self.weights_fingerprint[:12]
+        return f"{self.model_type} {self.dtype} hidden {self.hidden_size} weights {weights}"
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -90,7 +102,12 @@ def write_embedding(path: Path, encoded: Encoded, stamp: ModelStamp, source: str
     tensors = {"embedding": encoded.embedding.contiguous()}
     if encoded.deepstack is not None:
         tensors["deepstack"] = encoded.deepstack.contiguous()
-    metadata = {"format": FORMAT, "grid_thw": json.dumps(list(encoded.grid_thw)), "source": source, **stamp.metadata()}
+    metadata = {
+        "format": FORMAT,
+        "grid_thw": json.dumps(list(encoded.grid_thw)),
+        "source": source,
+        **stamp.metadata(),
+    }
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         save_file(tensors, str(partial), metadata)
@@ -142,19 +159,25 @@ class ServerBackend:
         served = await self.receiver.served_model()
         fingerprints = {info.weights_fingerprint for info in (await self.receiver.model_info()).values()}
         if len(fingerprints) > 1:
-            raise EncoderError(f"the encoders serve {len(fingerprints)} different weights; one directory holds one model's")
+            raise EncoderError(
+                f"the encoders serve {len(fingerprints)} different weights; one directory holds one model's"
+            )
         return ModelStamp.of_info(served)
 
     async def encode(self, request_id: str, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
         try:
-            result = await self.receiver.encode(request_id, [{"modality": "image", "data": d} for d in images])
+            result = await self.receiver.encode(
+                request_id, [{"modality": "image", "data": d} for d in images]
+            )
         except ShardError as exc:
             if not issubclass(exc.cause_class, InvalidItemError):
                 raise
             if len(images) == 1:
                 return [InvalidItemError(str(exc))]
             # Find the bad images one by one, so one broken file does not cost its neighbours.
-            return [out for i, data in enumerate(images) for out in await self.encode(f"{request_id}.{i}", [data])]
+            return [
+                out for i, data in enumerate(images) for out in await self.encode(f"{request_id}.{i}", [data])
+            ]
         return [Encoded(item.embedding, item.deepstack, item.grid_thw) for item in result.items]
 
     async def close(self) -> None:
@@ -171,7 +194,9 @@ class InProcessBackend:
 
     async def stamp(self) -> ModelStamp:
         spec = self.encoder.spec
-        return ModelStamp(spec.model_type, spec.weights_fingerprint, _dtype_name(spec.dtype), spec.hidden_size)
+        return ModelStamp(
+            spec.model_type, spec.weights_fingerprint, _dtype_name(spec.dtype), spec.hidden_size
+        )
 
     async def encode(self, request_id: str, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
         return await asyncio.to_thread(self._encode, images)
@@ -247,7 +272,7 @@ async def precompute(
     stamp = await backend.stamp()
     out_dir.mkdir(parents=True, exist_ok=True)
     pending = []
-    for key, path in by_key.items():
+    for key in by_key:
         existing = output_path(out_dir, key)
         if not existing.exists():
             pending.append(key)
@@ -265,17 +290,21 @@ async def precompute(
         summary.skipped += 1
 
     batches = iter(enumerate(pending[i : i + batch_size] for i in range(0, len(pending), batch_size)))
-    bar = tqdm(total=len(by_key), initial=summary.skipped, unit="img", desc="precompute", disable=not progress)
+    bar = tqdm(
+        total=len(by_key), initial=summary.skipped, unit="img", desc="precompute", disable=not progress
+    )
 
     async def worker() -> None:
         for number, keys in batches:
-            images = await asyncio.to_thread(lambda: [by_key[k].read_bytes() for k in keys])
+            images = await asyncio.to_thread(_read_all, [by_key[k] for k in keys])
             outputs = await backend.encode(f"precompute-{number}", images)
             for key, out in zip(keys, outputs):
                 if isinstance(out, InvalidItemError):
                     summary.failed[str(by_key[key])] = str(out)
                 else:
-                    await asyncio.to_thread(write_embedding, output_path(out_dir, key), out, stamp, by_key[key].name)
+                    await asyncio.to_thread(
+                        write_embedding, output_path(out_dir, key), out, stamp, by_key[key].name
+                    )
                     summary.encoded += 1
             bar.update(len(keys))
 
@@ -289,19 +318,32 @@ async def precompute(
     return summary
 
 
+def _read_all(paths: Sequence[Path]) -> list[bytes]:
+    return [path.read_bytes() for path in paths]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="encoder-precompute",
-        description="Encode images offline into <sha256>.safetensors files that EncoderReceiver accepts as precomputed items.",
+        description="Encode images offline into <sha256>.safetensors files that EncoderReceiver accepts "
+        "as precomputed items.",
         fromfile_prefix_chars="@",
     )
-    p.add_argument("paths", nargs="+", help="image files and folders (searched recursively); @FILE reads paths from FILE")
+    p.add_argument(
+        "paths", nargs="+", help="image files and folders (searched recursively); @FILE reads paths from FILE"
+    )
     p.add_argument("--out", required=True, type=Path, help="output directory (one model per directory)")
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--encoder-url", action="append", help="a running encoder server, grpc://host:port (repeatable)")
-    source.add_argument("--model", help="checkpoint directory to load in-process instead (needs transformers)")
+    source.add_argument(
+        "--encoder-url", action="append", help="a running encoder server, grpc://host:port (repeatable)"
+    )
+    source.add_argument(
+        "--model", help="checkpoint directory to load in-process instead (needs transformers)"
+    )
     p.add_argument("--device", default=None, help="with --model: cuda when present, else cpu")
-    p.add_argument("--dtype", choices=sorted(wire.DTYPE_NAMES), default="bfloat16", help="with --model: served dtype")
+    p.add_argument(
+        "--dtype", choices=sorted(wire.DTYPE_NAMES), default="bfloat16", help="with --model: served dtype"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="images per Encode request or forward")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (servers only)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds")
@@ -322,7 +364,12 @@ async def _run(args: argparse.Namespace) -> Summary:
         concurrency = args.concurrency
     try:
         return await precompute(
-            backend, files, args.out, batch_size=args.batch_size, concurrency=concurrency, progress=not args.no_progress
+            backend,
+            files,
+            args.out,
+            batch_size=args.batch_size,
+            concurrency=concurrency,
+            progress=not args.no_progress,
         )
     finally:
         await backend.close()

@@ -46,7 +46,7 @@ def expand_placeholders(
 
 
 class Window(NamedTuple):
-    """One chunked-prefill step of a request: `extend_prefix_len` tokens are cached, `extend_seq_len` more run."""
+    """One chunked-prefill step of a request: `extend_prefix_len` tokens cached, `extend_seq_len` more run."""
 
     extend_prefix_len: int
     extend_seq_len: int
@@ -82,10 +82,13 @@ def batch_embedding(
     for request_id, item in items:
         if item.hidden_size != first.shape[1] or item.embedding.dtype != first.dtype:
             raise InvalidItemError(
-                f"request {request_id!r} item {item.index}: hidden {item.hidden_size} {item.embedding.dtype}, "
+                f"request {request_id!r} item {item.index}: "
+                f"hidden {item.hidden_size} {item.embedding.dtype}, "
                 f"the batch's first item has hidden {first.shape[1]} {first.dtype}"
             )
-    out = torch.empty((sum(end - start for _, start, end in spans), first.shape[1]), dtype=first.dtype, device=device)
+    out = torch.empty(
+        (sum(end - start for _, start, end in spans), first.shape[1]), dtype=first.dtype, device=device
+    )
     row = 0
     for result, start, end in spans:
         for rows in _item_rows(result, start, end):

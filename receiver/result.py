@@ -47,7 +47,9 @@ class EncodeResult:
     def num_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items)
 
-    def chunk_range(self, extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset) -> tuple[int, int]:
+    def chunk_range(
+        self, extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset
+    ) -> tuple[int, int]:
         """Bounds of `chunk`'s rows; checks that `items_offset` has one run per item, as long as the item."""
         check_items_offset(items_offset, [item.num_tokens for item in self.items])
         return chunk_bounds(extend_prefix_len, extend_seq_len, items_offset)

@@ -1,4 +1,4 @@
-"""A server interceptor that records every RPC an encoder server receives, with the item indices of Encode calls."""
+"""A server interceptor recording every RPC an encoder server receives, with the items of Encode calls."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ class RpcLog(grpc.aio.ServerInterceptor):
                 yield message
 
         return grpc.unary_stream_rpc_method_handler(
-            logged, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            logged,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
         )
 
 

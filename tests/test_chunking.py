@@ -1,4 +1,4 @@
-"""Chunked-prefill windows: get_embedding_chunk and EncodeResult.chunk against a position-by-position reference."""
+"""Chunked-prefill windows: get_embedding_chunk and EncodeResult.chunk against a per-position reference."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from receiver import EncodeResult, ItemResult, ItemsOffsetError, get_embedding_c
 def reference_bounds(extend_prefix_len: int, extend_seq_len: int, items_offset) -> tuple[int, int]:
     """Lists every placeholder position; the window's rows are those whose position falls inside it."""
     positions = [p for start, end in items_offset for p in range(start, end + 1)]
-    inside = [row for row, p in enumerate(positions) if extend_prefix_len <= p < extend_prefix_len + extend_seq_len]
+    inside = [
+        row for row, p in enumerate(positions) if extend_prefix_len <= p < extend_prefix_len + extend_seq_len
+    ]
     if inside:
         return inside[0], inside[-1] + 1
     before = sum(p < extend_prefix_len for p in positions)
@@ -55,7 +57,9 @@ def test_matches_reference_on_thousands_of_random_layouts():
         result = result_of(counts)
         cuts = sorted({0, prompt_len, *(rng.randint(0, prompt_len) for _ in range(3))})
         # Consecutive windows like a chunked prefill, plus one random window anywhere.
-        windows = [(a, b - a) for a, b in zip(cuts, cuts[1:])] + [(rng.randint(0, prompt_len), rng.randint(0, 8))]
+        windows = [(a, b - a) for a, b in zip(cuts, cuts[1:])] + [
+            (rng.randint(0, prompt_len), rng.randint(0, 8))
+        ]
         pieces = []
         for prefix, length in windows:
             want = reference_bounds(prefix, length, offsets)
@@ -113,7 +117,9 @@ def test_result_chunk_checks_each_item_not_just_the_total():
     result = result_of([4, 2])
     # 6 positions in all, as many as rows, but split 2 + 4 instead of 4 + 2.
     get_embedding_chunk(result.embedding, 0, 20, [(0, 1), (5, 8)])
-    with pytest.raises(ItemsOffsetError, match=r"item 0: items_offset run \(0, 1\) covers 2 positions, the item has 4 tokens"):
+    with pytest.raises(
+        ItemsOffsetError, match=r"item 0: items_offset run \(0, 1\) covers 2 positions, the item has 4 tokens"
+    ):
         result.chunk(0, 20, [(0, 1), (5, 8)])
     with pytest.raises(ItemsOffsetError, match="items_offset has 1 runs for 2 items"):
         result.chunk(0, 20, [(0, 5)])

@@ -1,4 +1,4 @@
-"""Precomputed embeddings mixed with raw items in one request, through real servers that log what they receive."""
+"""Precomputed embeddings mixed with raw items in a request, through real servers that log what they get."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from receiver.precomputed import precomputed_result
 from tests.rpc_log import logged_server
 from tests.support import image_bytes, running_server
 
-IMAGES = [image_bytes(56 * (1 + i % 2), 56 * (1 + i // 2), seed=40 + i) for i in range(4)]  # 4, 8, 8, 16 tokens
+IMAGES = [
+    image_bytes(56 * (1 + i % 2), 56 * (1 + i // 2), seed=40 + i) for i in range(4)
+]  # 4, 8, 8, 16 tokens
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,11 @@ async def test_raw_precomputed_raw_precomputed_equals_all_raw_and_sends_only_raw
                 {"modality": "image", "data": IMAGES[0]},
                 {"modality": "image", "precomputed_embedding": all_raw.items[1].embedding.double()},
                 {"modality": "image", "data": IMAGES[2], "precomputed_embedding": None},  # a cache miss
-                {"modality": "image", "data": IMAGES[3], "precomputed_embedding": all_raw.items[3].embedding.clone()},
+                {
+                    "modality": "image",
+                    "data": IMAGES[3],
+                    "precomputed_embedding": all_raw.items[3].embedding.clone(),
+                },
             ]
             result = await rx.encode(f"mixed-{seed}", items)
             again = await rx.encode(f"mixed-{seed}-again", items)
@@ -89,7 +95,10 @@ BAD = {
     "NaN": (torch.zeros(4, 2048).index_fill_(1, torch.tensor([7]), float("nan")), "has 4 non-finite values"),
     "inf": (torch.full((2, 2048), float("-inf"), dtype=torch.bfloat16), "has 4096 non-finite values"),
     "empty": (torch.zeros(0, 2048), r"is empty \(shape \[0, 2048\]\)"),
-    "integer": (torch.zeros(4, 2048, dtype=torch.int64), "has dtype torch.int64; expected a floating-point tensor"),
+    "integer": (
+        torch.zeros(4, 2048, dtype=torch.int64),
+        "has dtype torch.int64; expected a floating-point tensor",
+    ),
     "not a tensor": ([[0.0] * 2048], "must be a torch.Tensor"),
 }
 
@@ -111,12 +120,28 @@ async def test_grid_thw_and_weights_fingerprint_are_checked_when_given(servers, 
     rows = all_raw.items[1].embedding  # 8 tokens, grid (1, 4, 8)
     async with EncoderReceiver([s.url for s in servers]) as rx:
         fingerprint = (await rx.served_model()).weights_fingerprint
-        ok = await rx.encode("ok", [{"precomputed_embedding": rows, "grid_thw": all_raw.items[1].grid_thw,
-                                     "weights_fingerprint": fingerprint}])
+        ok = await rx.encode(
+            "ok",
+            [
+                {
+                    "precomputed_embedding": rows,
+                    "grid_thw": all_raw.items[1].grid_thw,
+                    "weights_fingerprint": fingerprint,
+                }
+            ],
+        )
         assert ok.items[0].grid_thw == all_raw.items[1].grid_thw == (1, 4, 8)
-        with pytest.raises(InvalidItemError, match=r"item 1: grid_thw \[1, 4, 4\] makes 4 tokens after the 2x2 merge, but the precomputed embedding has 8 rows"):
-            await rx.encode("grid", [{"data": IMAGES[0]}, {"precomputed_embedding": rows, "grid_thw": (1, 4, 4)}])
-        with pytest.raises(InvalidItemError, match="item 0: precomputed by weights 0000000000000000..., the encoders serve"):
+        with pytest.raises(
+            InvalidItemError,
+            match=r"item 1: grid_thw \[1, 4, 4\] makes 4 tokens after the 2x2 merge, "
+            r"but the precomputed embedding has 8 rows",
+        ):
+            await rx.encode(
+                "grid", [{"data": IMAGES[0]}, {"precomputed_embedding": rows, "grid_thw": (1, 4, 4)}]
+            )
+        with pytest.raises(
+            InvalidItemError, match="item 0: precomputed by weights 0000000000000000..., the encoders serve"
+        ):
             await rx.encode("stale", [{"precomputed_embedding": rows, "weights_fingerprint": "0" * 64}])
     assert sent_indices(servers) == []
 
@@ -137,7 +162,9 @@ async def test_precomputed_items_take_the_served_dtype(servers, all_raw):
     assert torch.equal(result.items[0].embedding, rows.to(torch.bfloat16).float())
 
 
-async def test_encoders_serving_different_dtypes_refuse_precomputed_items(default_model_dir, servers, all_raw):
+async def test_encoders_serving_different_dtypes_refuse_precomputed_items(
+    default_model_dir, servers, all_raw
+):
     async with running_server(default_model_dir, dtype=torch.bfloat16) as bf16:
         urls = [servers[0].url, bf16.url]
         async with EncoderReceiver(urls) as rx:
@@ -149,7 +176,9 @@ async def test_encoders_serving_different_dtypes_refuse_precomputed_items(defaul
 
 def test_overflow_into_a_half_precision_served_dtype_is_refused():
     info = pb.ModelInfo(hidden_size=4, dtype=pb.FLOAT16)
-    with pytest.raises(InvalidItemError, match="1 non-finite values .* out of the range of the served torch.float16"):
+    with pytest.raises(
+        InvalidItemError, match="1 non-finite values .* out of the range of the served torch.float16"
+    ):
         precomputed_result({"precomputed_embedding": torch.tensor([[1.0, 2.0, 7e4, 0.0]])}, 0, info)
     converted = precomputed_result({"precomputed_embedding": torch.tensor([[1.0, 2.0, 3.0, 0.0]])}, 0, info)
     assert converted.embedding.dtype == torch.float16
@@ -158,12 +187,29 @@ def test_overflow_into_a_half_precision_served_dtype_is_refused():
 def test_deepstack_is_required_exactly_when_the_served_model_has_it():
     rows = torch.randn(3, 4)
     deep = pb.ModelInfo(hidden_size=4, dtype=pb.FLOAT32, num_deepstack_layers=2)
-    with pytest.raises(InvalidItemError, match=r"item 5: the served model emits 2 deepstack layers.*\[2, 3, 4\]"):
+    with pytest.raises(
+        InvalidItemError, match=r"item 5: the served model emits 2 deepstack layers.*\[2, 3, 4\]"
+    ):
         precomputed_result({"precomputed_embedding": rows}, 5, deep)
-    with pytest.raises(InvalidItemError, match=r"'precomputed_deepstack' has shape \[2, 2, 4\]; expected \[2, 3, 4\]"):
-        precomputed_result({"precomputed_embedding": rows, "precomputed_deepstack": torch.zeros(2, 2, 4)}, 5, deep)
-    result = precomputed_result({"precomputed_embedding": rows, "precomputed_deepstack": torch.ones(2, 3, 4)}, 5, deep)
+    with pytest.raises(
+        InvalidItemError, match=r"'precomputed_deepstack' has shape \[2, 2, 4\]; expected \[2, 3, 4\]"
+    ):
+        precomputed_result(
+            {"precomputed_embedding": rows, "precomputed_deepstack": torch.zeros(2, 2, 4)}, 5, deep
+        )
+    result = precomputed_result(
+        {"precomputed_embedding": rows, "precomputed_deepstack": torch.ones(2, 3, 4)}, 5, deep
+    )
     assert result.deepstack.shape == (2, 3, 4) and result.index == 5
     flat = pb.ModelInfo(hidden_size=4, dtype=pb.FLOAT32)
     with pytest.raises(InvalidItemError, match="served model has no deepstack layers"):
-        precomputed_result({"precomputed_embedding": rows, "precomputed_deepstack": torch.ones(2, 3, 4)}, 5, flat)
+        precomputed_result(
+            {"precomputed_embedding": rows, "precomputed_deepstack": torch.ones(2, 3, 4)}, 5, flat
+        )
+
+
+def test_finite_values_whose_sum_overflows_are_accepted():
+    info = pb.ModelInfo(hidden_size=4, dtype=pb.FLOAT32)
+    huge = torch.full((3, 4), 3e38)
+    assert not torch.isfinite(huge.sum())
+    assert torch.equal(precomputed_result({"precomputed_embedding": huge}, 0, info).embedding, huge)
