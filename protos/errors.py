@@ -25,6 +25,10 @@ class UnsupportedModalityError(InvalidItemError, NotImplementedError):
         super().__init__(f"gRPC encode only supports IMAGE modality, got: {modalities}")
 
 
+class ItemsOffsetError(InvalidItemError):
+    """A request's prompt layout (placeholder tokens or items_offset) disagrees with its items."""
+
+
 class OverloadedError(EncoderError):
     """The server's queue is full; the call was refused at once."""
 

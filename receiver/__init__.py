@@ -7,13 +7,17 @@ from protos.errors import (
     DeadlineExceededError,
     EncoderError,
     InvalidItemError,
+    ItemsOffsetError,
     OverloadedError,
     UnavailableError,
     UnsupportedModalityError,
 )
 
+from .chunking import get_embedding_chunk
 from .client import EncoderReceiver
 from .errors import ShardError
+from .precomputed import PRECOMPUTED_KEY
+from .prefill import Window, batch_embedding, expand_placeholders
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
 
@@ -24,10 +28,16 @@ __all__ = [
     "EncoderReceiver",
     "InvalidItemError",
     "ItemResult",
+    "ItemsOffsetError",
     "OverloadedError",
+    "PRECOMPUTED_KEY",
     "Shard",
     "ShardError",
     "UnavailableError",
     "UnsupportedModalityError",
+    "Window",
+    "batch_embedding",
+    "expand_placeholders",
+    "get_embedding_chunk",
     "plan_shards",
 ]

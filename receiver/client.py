@@ -12,12 +12,13 @@ from typing import Any
 import grpc
 
 from protos import encoder_pb2 as pb
-from protos.errors import EncoderError
+from protos.errors import EncoderError, error_class_for
 
 from .assembly import ShardAssembler, StreamProtocolError
 from .channels import EncoderEndpoint
 from .errors import ShardError
 from .items import ImageSource, check_image_only, read_image_bytes
+from .precomputed import agreed_model, is_precomputed, precomputed_result
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
 
@@ -55,6 +56,8 @@ class EncoderReceiver:
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self._rng = random.Random(seed)
         self._endpoints = [EncoderEndpoint.connect(url) for url in self.urls]
+        self._served_model: pb.ModelInfo | None = None
+        self._served_model_lock = asyncio.Lock()
 
     async def __aenter__(self) -> EncoderReceiver:
         return self
@@ -70,6 +73,19 @@ class EncoderReceiver:
         infos = await asyncio.gather(*(e.get_model_info(pb.GetModelInfoRequest(), timeout=self.timeout) for e in self._endpoints))
         return dict(zip(self.urls, infos))
 
+    async def served_model(self) -> pb.ModelInfo:
+        """The model the encoders serve, fetched once per receiver; they must agree on hidden size, dtype."""
+        async with self._served_model_lock:
+            if self._served_model is None:
+                try:
+                    infos = await self.model_info()
+                except grpc.aio.AioRpcError as exc:
+                    status = f"{exc.code().name}: {exc.details()}"
+                    message = f"cannot fetch ModelInfo to check precomputed items: {status}"
+                    raise error_class_for(exc.code())(message) from None
+                self._served_model = agreed_model(infos)
+        return self._served_model
+
     async def encode(
         self,
         request_id: str,
@@ -81,15 +97,19 @@ class EncoderReceiver:
         """Encodes a request's image items; the result holds them in the order given.
 
         Each item is a dict with "modality" ("image") and one of "data" (encoded image bytes)
-        or "url" (`file://` or `data:`). Raises UnsupportedModalityError before any RPC if an
-        item is not an image, InvalidItemError for an unreadable item, and ShardError when an
-        encoder fails its share.
+        or "url" (`file://` or `data:`), or it carries "precomputed_embedding" (a float tensor
+        [num_tokens, hidden_size]; see `precomputed_result` for the optional keys), in which case
+        it is checked against `served_model()` and never sent. Only the other items are sharded,
+        so `num_items_assigned` counts those. Raises UnsupportedModalityError before any RPC if an
+        item is not an image, InvalidItemError for an unreadable item or a bad precomputed one
+        (before any Encode call), and ShardError when an encoder fails its share.
         """
         check_image_only(items)
-        sources = await asyncio.to_thread(self._read_sources, items)
+        results = await self._precomputed_results(items)
+        raw = [index for index in range(len(items)) if index not in results]
+        sources = await asyncio.to_thread(self._read_sources, items, raw)
         shards = plan_shards(len(sources), len(self._endpoints), self._rng, num_items_assigned)
         deadline = timeout if timeout is not None else self.timeout
-        results: dict[int, ItemResult] = {}
         tasks = [
             asyncio.create_task(self._run_shard(request_id, shard, sources, results, deadline)) for shard in shards
         ]
@@ -100,8 +120,16 @@ class EncoderReceiver:
                 task.cancel()
         return EncodeResult(request_id, [results[i] for i in range(len(items))])
 
-    def _read_sources(self, items: Sequence[Mapping[str, Any]]) -> list[ImageSource]:
-        return [ImageSource(index, read_image_bytes(item, index, self.file_roots)) for index, item in enumerate(items)]
+    async def _precomputed_results(self, items: Sequence[Mapping[str, Any]]) -> dict[int, ItemResult]:
+        """Results of the items that carry their embedding, by index; ModelInfo is fetched only for them."""
+        indices = [index for index, item in enumerate(items) if is_precomputed(item)]
+        if not indices:
+            return {}
+        info = await self.served_model()
+        return await asyncio.to_thread(lambda: {i: precomputed_result(items[i], i, info) for i in indices})
+
+    def _read_sources(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> list[ImageSource]:
+        return [ImageSource(index, read_image_bytes(items[index], index, self.file_roots)) for index in indices]
 
     async def _run_shard(
         self,

@@ -7,6 +7,8 @@ from functools import cached_property
 
 import torch
 
+from .chunking import ItemsOffset, check_items_offset, chunk_bounds
+
 
 @dataclass
 class ItemResult:
@@ -16,6 +18,7 @@ class ItemResult:
     encoder_url: str | None  # None for a precomputed item
     deepstack: torch.Tensor | None = None  # [num_deepstack_layers, num_tokens, hidden_size]
     cache_hit: bool = False
+    precomputed: bool = False  # the caller supplied the embedding; no encoder ran
     queue_ms: float = 0.0
     preprocess_ms: float = 0.0
     forward_ms: float = 0.0
@@ -43,3 +46,22 @@ class EncodeResult:
     @property
     def num_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items)
+
+    def chunk_range(
+        self, extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset
+    ) -> tuple[int, int]:
+        """Bounds of `chunk`'s rows; checks that `items_offset` has one run per item, as long as the item."""
+        check_items_offset(items_offset, [item.num_tokens for item in self.items])
+        return chunk_bounds(extend_prefix_len, extend_seq_len, items_offset)
+
+    def chunk(
+        self, extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset
+    ) -> tuple[torch.Tensor, int, int]:
+        """The embedding rows of the multimodal tokens inside one chunked-prefill window.
+
+        `items_offset` holds each item's placeholder run in the prompt as inclusive (start, end)
+        positions; the window is [extend_prefix_len, extend_prefix_len + extend_seq_len). Returns
+        (rows, start, end) with rows = embedding[start:end].
+        """
+        start, end = self.chunk_range(extend_prefix_len, extend_seq_len, items_offset)
+        return self.embedding[start:end], start, end

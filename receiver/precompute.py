@@ -1,0 +1,392 @@
+"""`encoder-precompute`: encodes images offline into one safetensors file per image content hash,
+through running encoder servers or an in-process model; `precomputed_item` loads them back.
+
+A file `<sha256 of the image bytes>.safetensors` holds "embedding" (and "deepstack" where the model
+has deepstack layers) and metadata naming the model that made it. One output directory holds one
+model's embeddings: a rerun skips images whose file exists and refuses files of another model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from protos import encoder_pb2 as pb
+from protos import wire
+from protos.errors import EncoderError, InvalidItemError
+
+from .client import EncoderReceiver
+from .errors import ShardError
+from .precomputed import DEEPSTACK_KEY, PRECOMPUTED_KEY
+
+FORMAT = "encoder-precompute/1"
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+
+
+def content_key(data: bytes) -> str:
+    """The cache key of an image: sha256 over its encoded bytes, in hex."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def output_path(out_dir: str | Path, key: str) -> Path:
+    return Path(out_dir) / f"{key}.safetensors"
+
+
+@dataclass(frozen=True)
+class ModelStamp:
+    """What made a file; every file of one output directory carries the same stamp."""
+
+    model_type: str
+    weights_fingerprint: str
+    dtype: str
+    hidden_size: int
+
+    @classmethod
+    def of_info(cls, info: pb.ModelInfo) -> ModelStamp:
+        return cls(
+            info.model_type,
+            info.weights_fingerprint,
+            _dtype_name(wire.TORCH_DTYPES[info.dtype]),
+            info.hidden_size,
+        )
+
+    @classmethod
+    def of_metadata(cls, metadata: dict[str, str]) -> ModelStamp:
+        return cls(
+            metadata["model_type"],
+            metadata["weights_fingerprint"],
+            metadata["dtype"],
+            int(metadata["hidden_size"]),
+        )
+
+    def __str__(self) -> str:
+        weights = self.weights_fingerprint[:12]
+        return f"{self.model_type} {self.dtype} hidden {self.hidden_size} weights {weights}"
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "model_type": self.model_type,
+            "weights_fingerprint": self.weights_fingerprint,
+            "dtype": self.dtype,
+            "hidden_size": str(self.hidden_size),
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Encoded(NamedTuple):
+    """One image's outputs, whichever backend made them."""
+
+    embedding: torch.Tensor
+    deepstack: torch.Tensor | None
+    grid_thw: tuple[int, ...]
+
+
+def write_embedding(path: Path, encoded: Encoded, stamp: ModelStamp, source: str) -> None:
+    """Writes one file atomically: a crash leaves either no file or a complete one."""
+    tensors = {"embedding": encoded.embedding.contiguous()}
+    if encoded.deepstack is not None:
+        tensors["deepstack"] = encoded.deepstack.contiguous()
+    metadata = {
+        "format": FORMAT,
+        "grid_thw": json.dumps(list(encoded.grid_thw)),
+        "source": source,
+        **stamp.metadata(),
+    }
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        save_file(tensors, str(partial), metadata)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    if metadata.get("format") != FORMAT:
+        raise InvalidItemError(f"{path} is not an {FORMAT} file")
+    return metadata
+
+
+def load_precomputed(path: str | Path) -> dict[str, Any]:
+    """A precomputed item from one file, with the grid_thw and weights fingerprint the receiver checks."""
+    path = Path(path)
+    try:
+        metadata = _read_metadata(path)
+        with safe_open(str(path), framework="pt") as f:
+            item = {
+                "modality": "image",
+                PRECOMPUTED_KEY: f.get_tensor("embedding"),
+                "grid_thw": tuple(json.loads(metadata["grid_thw"])),
+                "weights_fingerprint": metadata["weights_fingerprint"],
+            }
+            if "deepstack" in f.keys():
+                item[DEEPSTACK_KEY] = f.get_tensor("deepstack")
+    except (SafetensorError, OSError, KeyError, ValueError) as exc:
+        raise InvalidItemError(f"cannot load precomputed embedding {path}: {exc}") from None
+    return item
+
+
+def precomputed_item(cache_dir: str | Path, data: bytes) -> dict[str, Any]:
+    """The item for these image bytes: precomputed when `cache_dir` holds their file, raw otherwise."""
+    path = output_path(cache_dir, content_key(data))
+    return load_precomputed(path) if path.exists() else {"modality": "image", "data": data}
+
+
+class ServerBackend:
+    """Encodes through running encoder servers, sharded by an EncoderReceiver."""
+
+    def __init__(self, urls: Sequence[str], timeout: float):
+        self.receiver = EncoderReceiver(urls, timeout=timeout)
+
+    async def stamp(self) -> ModelStamp:
+        served = await self.receiver.served_model()
+        fingerprints = {info.weights_fingerprint for info in (await self.receiver.model_info()).values()}
+        if len(fingerprints) > 1:
+            raise EncoderError(
+                f"the encoders serve {len(fingerprints)} different weights; one directory holds one model's"
+            )
+        return ModelStamp.of_info(served)
+
+    async def encode(self, request_id: str, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
+        try:
+            result = await self.receiver.encode(
+                request_id, [{"modality": "image", "data": d} for d in images]
+            )
+        except ShardError as exc:
+            if not issubclass(exc.cause_class, InvalidItemError):
+                raise
+            if len(images) == 1:
+                return [InvalidItemError(str(exc))]
+            # Find the bad images one by one, so one broken file does not cost its neighbours.
+            return [
+                out for i, data in enumerate(images) for out in await self.encode(f"{request_id}.{i}", [data])
+            ]
+        return [Encoded(item.embedding, item.deepstack, item.grid_thw) for item in result.items]
+
+    async def close(self) -> None:
+        await self.receiver.close()
+
+
+class InProcessBackend:
+    """Encodes with the vision tower loaded in this process (needs transformers)."""
+
+    def __init__(self, model_dir: str, device: str, dtype: torch.dtype):
+        from encoder_server.models import load_vision_encoder
+
+        self.encoder = load_vision_encoder(model_dir, device, dtype)
+
+    async def stamp(self) -> ModelStamp:
+        spec = self.encoder.spec
+        return ModelStamp(
+            spec.model_type, spec.weights_fingerprint, _dtype_name(spec.dtype), spec.hidden_size
+        )
+
+    async def encode(self, request_id: str, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
+        return await asyncio.to_thread(self._encode, images)
+
+    def _encode(self, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
+        from encoder_server.images import decode_image
+
+        outputs: list[Encoded | InvalidItemError | None] = [None] * len(images)
+        prepared = {}
+        for i, data in enumerate(images):
+            try:
+                prepared[i] = self.encoder.preprocess(decode_image(data))
+            except InvalidItemError as exc:
+                outputs[i] = exc
+        if prepared:
+            for (i, prep), out in zip(prepared.items(), self.encoder.encode(list(prepared.values()))):
+                outputs[i] = Encoded(out.embedding, out.deepstack, prep.grid_thw)
+        return outputs  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        pass
+
+
+def collect_images(paths: Sequence[str | Path]) -> list[Path]:
+    """Image files named directly, plus those with an image suffix anywhere under named folders."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or directory")
+    return list(dict.fromkeys(files))
+
+
+@dataclass
+class Summary:
+    encoded: int = 0
+    skipped: int = 0  # outputs already present
+    duplicates: int = 0  # files whose content another file already has
+    failed: dict[str, str] = field(default_factory=dict)  # path -> reason
+
+    def line(self, out_dir: Path) -> str:
+        return (
+            f"{self.encoded} encoded, {self.skipped} already present, {self.duplicates} duplicates, "
+            f"{len(self.failed)} failed; outputs in {out_dir}"
+        )
+
+
+async def precompute(
+    backend: ServerBackend | InProcessBackend,
+    files: Sequence[Path],
+    out_dir: Path,
+    *,
+    batch_size: int = 8,
+    concurrency: int = 1,
+    progress: bool = True,
+) -> Summary:
+    """Encodes every file whose output is missing; existing outputs must carry the backend's stamp."""
+    summary = Summary()
+    by_key: dict[str, Path] = {}
+    for path in files:
+        try:
+            key = content_key(path.read_bytes())
+        except OSError as exc:
+            summary.failed[str(path)] = os.strerror(exc.errno) if exc.errno else str(exc)
+            continue
+        if key in by_key:
+            summary.duplicates += 1
+        else:
+            by_key[key] = path
+    stamp = await backend.stamp()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pending = []
+    for key in by_key:
+        existing = output_path(out_dir, key)
+        if not existing.exists():
+            pending.append(key)
+            continue
+        try:
+            found = ModelStamp.of_metadata(_read_metadata(existing))
+        except (SafetensorError, InvalidItemError, KeyError, ValueError):
+            pending.append(key)  # unreadable: encode it again
+            continue
+        if found != stamp:
+            raise EncoderError(
+                f"{existing} was made by {found}, not by the model now encoding ({stamp}); "
+                "use another output directory for another model"
+            )
+        summary.skipped += 1
+
+    batches = iter(enumerate(pending[i : i + batch_size] for i in range(0, len(pending), batch_size)))
+    bar = tqdm(
+        total=len(by_key), initial=summary.skipped, unit="img", desc="precompute", disable=not progress
+    )
+
+    async def worker() -> None:
+        for number, keys in batches:
+            images = await asyncio.to_thread(_read_all, [by_key[k] for k in keys])
+            outputs = await backend.encode(f"precompute-{number}", images)
+            for key, out in zip(keys, outputs):
+                if isinstance(out, InvalidItemError):
+                    summary.failed[str(by_key[key])] = str(out)
+                else:
+                    await asyncio.to_thread(
+                        write_embedding, output_path(out_dir, key), out, stamp, by_key[key].name
+                    )
+                    summary.encoded += 1
+            bar.update(len(keys))
+
+    workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
+    try:
+        await asyncio.gather(*workers)
+    finally:
+        for task in workers:
+            task.cancel()
+        bar.close()
+    return summary
+
+
+def _read_all(paths: Sequence[Path]) -> list[bytes]:
+    return [path.read_bytes() for path in paths]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="encoder-precompute",
+        description="Encode images offline into <sha256>.safetensors files that EncoderReceiver accepts "
+        "as precomputed items.",
+        fromfile_prefix_chars="@",
+    )
+    p.add_argument(
+        "paths", nargs="+", help="image files and folders (searched recursively); @FILE reads paths from FILE"
+    )
+    p.add_argument("--out", required=True, type=Path, help="output directory (one model per directory)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--encoder-url", action="append", help="a running encoder server, grpc://host:port (repeatable)"
+    )
+    source.add_argument(
+        "--model", help="checkpoint directory to load in-process instead (needs transformers)"
+    )
+    p.add_argument("--device", default=None, help="with --model: cuda when present, else cpu")
+    p.add_argument(
+        "--dtype", choices=sorted(wire.DTYPE_NAMES), default="bfloat16", help="with --model: served dtype"
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="images per Encode request or forward")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (servers only)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+async def _run(args: argparse.Namespace) -> Summary:
+    files = collect_images(args.paths)
+    if args.model:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        backend: ServerBackend | InProcessBackend = await asyncio.to_thread(
+            InProcessBackend, args.model, device, wire.DTYPE_NAMES[args.dtype]
+        )
+        concurrency = 1  # one forward at a time
+    else:
+        backend = ServerBackend(args.encoder_url, args.timeout)
+        concurrency = args.concurrency
+    try:
+        return await precompute(
+            backend,
+            files,
+            args.out,
+            batch_size=args.batch_size,
+            concurrency=concurrency,
+            progress=not args.no_progress,
+        )
+    finally:
+        await backend.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = asyncio.run(_run(args))
+    except (EncoderError, FileNotFoundError) as exc:
+        print(f"encoder-precompute: error: {exc}", file=sys.stderr)
+        return 2
+    for path, reason in summary.failed.items():
+        print(f"failed: {path}: {reason}", file=sys.stderr)
+    print(summary.line(args.out))
+    return 1 if summary.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Measures what precomputed items save: one request's latency all raw, half and all precomputed, as ratios
+to all raw in the same run, plus the cost of a chunked-prefill window and of assembling a prefill batch."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+
+import torch
+
+from encoder_server.default_model import ensure_default_model
+from protos.wire import DTYPE_NAMES
+from receiver import EncoderReceiver, batch_embedding, get_embedding_chunk
+from tests.support import image_bytes, running_server
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
+async def timed(fn, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        await fn()
+        samples.append(time.perf_counter() - started)
+    return median_ms(samples)
+
+
+async def bench(args: argparse.Namespace) -> None:
+    model_dir = ensure_default_model(args.model_dir or tempfile.mkdtemp(prefix="bench-model-"))
+    images = [image_bytes(args.size, args.size, seed=i) for i in range(args.items)]
+    async with running_server(model_dir, dtype=DTYPE_NAMES[args.dtype]) as server:
+        async with EncoderReceiver([server.url]) as rx:
+            raw_items = [{"data": d} for d in images]
+            reference = await rx.encode("warmup", raw_items)
+            precomputed = [{"precomputed_embedding": item.embedding} for item in reference.items]
+            half = [precomputed[i] if i % 2 else raw_items[i] for i in range(len(images))]
+            await rx.encode("warmup-half", half)
+            figures = {}
+            for name, items in (
+                ("all raw", raw_items),
+                ("half precomputed", half),
+                ("all precomputed", precomputed),
+            ):
+                figures[name] = await timed(
+                    lambda name=name, items=items: rx.encode(name, items), args.repeats
+                )
+    base = figures["all raw"]
+    tokens = reference.num_tokens
+    print(
+        f"request of {args.items} images {args.size}x{args.size}, {tokens} tokens, {args.dtype}, "
+        "1 server on loopback"
+    )
+    for name, ms in figures.items():
+        print(f"  {name:17s} {ms:9.2f} ms  {ms / base:6.3f}x of all raw")
+
+    offsets = [
+        (10 + i * (tokens // args.items + 3), 10 + i * (tokens // args.items + 3) + item.num_tokens - 1)
+        for i, item in enumerate(reference.items)
+    ]
+    embedding = reference.embedding
+    started = time.perf_counter()
+    for step in range(10000):
+        get_embedding_chunk(embedding, step % tokens, 256, offsets)
+    print(
+        f"get_embedding_chunk, {args.items} items: "
+        f"{(time.perf_counter() - started) / 10000 * 1e6:.1f} us per window"
+    )
+
+    results = [reference] * 3
+    nbytes = 3 * embedding.numel() * embedding.element_size()
+    copy_ms = await timed(lambda: asyncio.to_thread(batch_embedding, results, "cpu"), args.repeats)
+    cat_ms = await timed(lambda: asyncio.to_thread(torch.cat, [embedding] * 3), args.repeats)
+    print(
+        f"batch_embedding of 3 requests ({nbytes / 2**20:.0f} MiB) to cpu: {copy_ms:.2f} ms, "
+        f"{copy_ms / cat_ms:.2f}x of one torch.cat of the same rows"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--items", type=int, default=8)
+    p.add_argument("--size", type=int, default=448)
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model-dir", help="where the default model is (written there if missing)")
+    asyncio.run(bench(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

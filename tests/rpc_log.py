@@ -1,0 +1,55 @@
+"""A server interceptor recording every RPC an encoder server receives, with the items of Encode calls."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import AsyncIterator
+from pathlib import Path
+from unittest import mock
+
+import grpc
+
+from encoder_server.server import EncoderServer
+from tests.support import running_server
+
+
+class RpcLog(grpc.aio.ServerInterceptor):
+    """`calls` holds (method name, item indices) per RPC, in arrival order; indices only for Encode."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def sent(self, method: str = "Encode") -> list[list[int]]:
+        return [indices for name, indices in self.calls if name == method]
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler is None or handler.unary_stream is None:
+            self.calls.append((method, []))
+            return handler
+        behavior = handler.unary_stream
+
+        async def logged(request, context):
+            self.calls.append((method, [item.index for item in request.items]))
+            async for message in behavior(request, context):
+                yield message
+
+        return grpc.unary_stream_rpc_method_handler(
+            logged,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+@contextlib.asynccontextmanager
+async def logged_server(model_dir: Path, **overrides) -> AsyncIterator[EncoderServer]:
+    """`running_server` with an RpcLog interceptor installed on its grpc.aio server, as `server.rpc_log`."""
+    log = RpcLog()
+    async with contextlib.AsyncExitStack() as stack:
+        # EncoderServer builds its grpc.aio server inside start(); hand it the interceptor there.
+        with mock.patch.object(grpc.aio, "server", functools.partial(grpc.aio.server, interceptors=[log])):
+            server = await stack.enter_async_context(running_server(model_dir, **overrides))
+        server.rpc_log = log  # type: ignore[attr-defined]
+        yield server

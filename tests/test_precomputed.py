@@ -1,0 +1,215 @@
+"""Precomputed embeddings mixed with raw items in a request, through real servers that log what they get."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protos import encoder_pb2 as pb
+from receiver import EncoderError, EncoderReceiver, InvalidItemError, UnsupportedModalityError
+from receiver.precomputed import precomputed_result
+from tests.rpc_log import logged_server
+from tests.support import image_bytes, running_server
+
+IMAGES = [
+    image_bytes(56 * (1 + i % 2), 56 * (1 + i // 2), seed=40 + i) for i in range(4)
+]  # 4, 8, 8, 16 tokens
+
+
+@pytest.fixture(scope="module")
+async def two_servers(default_model_dir):
+    async with logged_server(default_model_dir) as a, logged_server(default_model_dir) as b:
+        yield [a, b]
+
+
+@pytest.fixture
+def servers(two_servers):
+    """The two servers with empty RPC logs."""
+    for server in two_servers:
+        server.rpc_log.calls.clear()
+    return two_servers
+
+
+@pytest.fixture(scope="module")
+async def all_raw(two_servers):
+    async with EncoderReceiver([s.url for s in two_servers], seed=0) as rx:
+        return await rx.encode("all-raw", [{"modality": "image", "data": d} for d in IMAGES])
+
+
+def sent_indices(servers) -> list[int]:
+    return sorted(i for s in servers for call in s.rpc_log.sent("Encode") for i in call)
+
+
+async def test_raw_precomputed_raw_precomputed_equals_all_raw_and_sends_only_raw_items(servers, all_raw):
+    for seed in range(4):
+        for server in servers:
+            server.rpc_log.calls.clear()
+        async with EncoderReceiver([s.url for s in servers], seed=seed) as rx:
+            items = [
+                {"modality": "image", "data": IMAGES[0]},
+                {"modality": "image", "precomputed_embedding": all_raw.items[1].embedding.double()},
+                {"modality": "image", "data": IMAGES[2], "precomputed_embedding": None},  # a cache miss
+                {
+                    "modality": "image",
+                    "data": IMAGES[3],
+                    "precomputed_embedding": all_raw.items[3].embedding.clone(),
+                },
+            ]
+            result = await rx.encode(f"mixed-{seed}", items)
+            again = await rx.encode(f"mixed-{seed}-again", items)
+        # Only items 0 and 2 travel, one to each encoder (twice: two requests); ModelInfo once per receiver.
+        assert sent_indices(servers) == [0, 0, 2, 2]
+        assert all(len(call) == 1 for s in servers for call in s.rpc_log.sent("Encode"))
+        assert all(len(s.rpc_log.sent("Encode")) == 2 for s in servers)
+        assert [len(s.rpc_log.sent("GetModelInfo")) for s in servers] == [1, 1]
+        assert [item.index for item in result.items] == [0, 1, 2, 3]
+        assert [item.precomputed for item in result.items] == [False, True, False, True]
+        assert [item.encoder_url is None for item in result.items] == [False, True, False, True]
+        assert {result.items[0].encoder_url, result.items[2].encoder_url} == {s.url for s in servers}
+        for got, want in zip(result.items, all_raw.items):
+            assert got.embedding.dtype == torch.float32 and got.embedding.shape == want.embedding.shape
+            torch.testing.assert_close(got.embedding, want.embedding, rtol=1e-5, atol=1e-5)
+        assert torch.equal(result.items[1].embedding, all_raw.items[1].embedding)
+        assert torch.equal(result.items[3].embedding, all_raw.items[3].embedding)
+        torch.testing.assert_close(result.embedding, all_raw.embedding, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(again.embedding, all_raw.embedding, rtol=1e-5, atol=1e-5)
+
+
+async def test_all_precomputed_request_makes_no_rpc(servers, all_raw):
+    items = [{"precomputed_embedding": item.embedding} for item in all_raw.items]
+    async with EncoderReceiver([s.url for s in servers]) as rx:
+        first = await rx.encode("first", items)  # fetches ModelInfo, sends nothing
+        assert sent_indices(servers) == [] and [len(s.rpc_log.calls) for s in servers] == [1, 1]
+        for server in servers:
+            server.rpc_log.calls.clear()
+        second = await rx.encode("second", items)
+    assert [s.rpc_log.calls for s in servers] == [[], []]
+    for result in (first, second):
+        assert all(item.precomputed for item in result.items)
+        assert torch.equal(result.embedding, all_raw.embedding)
+
+
+BAD = {
+    "wrong hidden": (torch.zeros(4, 2047), r"has shape \[4, 2047\]; expected \[num_tokens, 2048\]"),
+    "3-D": (torch.zeros(1, 4, 2048), r"has shape \[1, 4, 2048\]; expected \[num_tokens, 2048\]"),
+    "NaN": (torch.zeros(4, 2048).index_fill_(1, torch.tensor([7]), float("nan")), "has 4 non-finite values"),
+    "inf": (torch.full((2, 2048), float("-inf"), dtype=torch.bfloat16), "has 4096 non-finite values"),
+    "empty": (torch.zeros(0, 2048), r"is empty \(shape \[0, 2048\]\)"),
+    "integer": (
+        torch.zeros(4, 2048, dtype=torch.int64),
+        "has dtype torch.int64; expected a floating-point tensor",
+    ),
+    "not a tensor": ([[0.0] * 2048], "must be a torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+async def test_bad_precomputed_tensor_fails_naming_the_item_before_any_encode_call(servers, case):
+    tensor, message = BAD[case]
+    items = [{"data": IMAGES[0]}, {"data": IMAGES[1]}, {"precomputed_embedding": tensor}, {"data": IMAGES[3]}]
+    async with EncoderReceiver([s.url for s in servers]) as rx:
+        with pytest.raises(InvalidItemError, match=r"^item 2: 'precomputed_embedding' " + message):
+            await rx.encode(case, items)
+        assert sent_indices(servers) == []
+        # The receiver keeps working after the refusal.
+        result = await rx.encode("after", items[:2])
+    assert [item.num_tokens for item in result.items] == [4, 8]
+
+
+async def test_grid_thw_and_weights_fingerprint_are_checked_when_given(servers, all_raw):
+    rows = all_raw.items[1].embedding  # 8 tokens, grid (1, 4, 8)
+    async with EncoderReceiver([s.url for s in servers]) as rx:
+        fingerprint = (await rx.served_model()).weights_fingerprint
+        ok = await rx.encode(
+            "ok",
+            [
+                {
+                    "precomputed_embedding": rows,
+                    "grid_thw": all_raw.items[1].grid_thw,
+                    "weights_fingerprint": fingerprint,
+                }
+            ],
+        )
+        assert ok.items[0].grid_thw == all_raw.items[1].grid_thw == (1, 4, 8)
+        with pytest.raises(
+            InvalidItemError,
+            match=r"item 1: grid_thw \[1, 4, 4\] makes 4 tokens after the 2x2 merge, "
+            r"but the precomputed embedding has 8 rows",
+        ):
+            await rx.encode(
+                "grid", [{"data": IMAGES[0]}, {"precomputed_embedding": rows, "grid_thw": (1, 4, 4)}]
+            )
+        with pytest.raises(
+            InvalidItemError, match="item 0: precomputed by weights 0000000000000000..., the encoders serve"
+        ):
+            await rx.encode("stale", [{"precomputed_embedding": rows, "weights_fingerprint": "0" * 64}])
+    assert sent_indices(servers) == []
+
+
+async def test_image_only_rule_covers_precomputed_items_before_any_network_call(servers, all_raw):
+    items = [{"data": IMAGES[0]}, {"modality": "video", "precomputed_embedding": all_raw.items[0].embedding}]
+    async with EncoderReceiver([s.url for s in servers]) as rx:
+        with pytest.raises(UnsupportedModalityError, match=r"got: \['video'\]"):
+            await rx.encode("video", items)
+    assert [s.rpc_log.calls for s in servers] == [[], []]
+
+
+async def test_precomputed_items_take_the_served_dtype(servers, all_raw):
+    rows = all_raw.items[0].embedding
+    async with EncoderReceiver([s.url for s in servers]) as rx:
+        result = await rx.encode("bf16", [{"precomputed_embedding": rows.to(torch.bfloat16)}])
+    assert result.items[0].embedding.dtype == torch.float32
+    assert torch.equal(result.items[0].embedding, rows.to(torch.bfloat16).float())
+
+
+async def test_encoders_serving_different_dtypes_refuse_precomputed_items(
+    default_model_dir, servers, all_raw
+):
+    async with running_server(default_model_dir, dtype=torch.bfloat16) as bf16:
+        urls = [servers[0].url, bf16.url]
+        async with EncoderReceiver(urls) as rx:
+            with pytest.raises(EncoderError, match="encoders disagree on what they serve") as raised:
+                await rx.encode("mixed-dtypes", [{"precomputed_embedding": all_raw.items[0].embedding}])
+    assert f"{servers[0].url}: hidden 2048 FLOAT32" in str(raised.value)
+    assert f"{bf16.url}: hidden 2048 BFLOAT16" in str(raised.value)
+
+
+def test_overflow_into_a_half_precision_served_dtype_is_refused():
+    info = pb.ModelInfo(hidden_size=4, dtype=pb.FLOAT16)
+    with pytest.raises(
+        InvalidItemError, match="1 non-finite values .* out of the range of the served torch.float16"
+    ):
+        precomputed_result({"precomputed_embedding": torch.tensor([[1.0, 2.0, 7e4, 0.0]])}, 0, info)
+    converted = precomputed_result({"precomputed_embedding": torch.tensor([[1.0, 2.0, 3.0, 0.0]])}, 0, info)
+    assert converted.embedding.dtype == torch.float16
+
+
+def test_deepstack_is_required_exactly_when_the_served_model_has_it():
+    rows = torch.randn(3, 4)
+    deep = pb.ModelInfo(hidden_size=4, dtype=pb.FLOAT32, num_deepstack_layers=2)
+    with pytest.raises(
+        InvalidItemError, match=r"item 5: the served model emits 2 deepstack layers.*\[2, 3, 4\]"
+    ):
+        precomputed_result({"precomputed_embedding": rows}, 5, deep)
+    with pytest.raises(
+        InvalidItemError, match=r"'precomputed_deepstack' has shape \[2, 2, 4\]; expected \[2, 3, 4\]"
+    ):
+        precomputed_result(
+            {"precomputed_embedding": rows, "precomputed_deepstack": torch.zeros(2, 2, 4)}, 5, deep
+        )
+    result = precomputed_result(
+        {"precomputed_embedding": rows, "precomputed_deepstack": torch.ones(2, 3, 4)}, 5, deep
+    )
+    assert result.deepstack.shape == (2, 3, 4) and result.index == 5
+    flat = pb.ModelInfo(hidden_size=4, dtype=pb.FLOAT32)
+    with pytest.raises(InvalidItemError, match="served model has no deepstack layers"):
+        precomputed_result(
+            {"precomputed_embedding": rows, "precomputed_deepstack": torch.ones(2, 3, 4)}, 5, flat
+        )
+
+
+def test_finite_values_whose_sum_overflows_are_accepted():
+    info = pb.ModelInfo(hidden_size=4, dtype=pb.FLOAT32)
+    huge = torch.full((3, 4), 3e38)
+    assert not torch.isfinite(huge.sum())
+    assert torch.equal(precomputed_result({"precomputed_embedding": huge}, 0, info).embedding, huge)
