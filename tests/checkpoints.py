@@ -36,7 +36,18 @@ def _text_config(hidden_size: int, vocab_size: int, **extra) -> dict:
 
 def _mrope(hidden_size: int) -> dict:
     half = hidden_size // 4 // 2  # head_dim / 2 with 4 heads, split over t, h, w
-    return {"rope_type": "default", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3], "rope_theta": 1e6}
+    return {
+        "rope_type": "default",
+        "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+        "rope_theta": 1e6,
+    }
+
+
+def _vision_config(out_hidden_size: int, **extra) -> dict:
+    """A 4-block Qwen2.5-VL / Qwen3-VL tower of width 32."""
+    return dict(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=out_hidden_size, **extra
+    )
 
 
 def _qwen_processor(patch_size: int, mean_std: float | None = None):
@@ -46,7 +57,11 @@ def _qwen_processor(patch_size: int, mean_std: float | None = None):
     extra = {} if mean_std is None else dict(image_mean=[mean_std] * 3, image_std=[mean_std] * 3)
     # The real checkpoints' range: 4 to 16384 merged tokens per image.
     return Qwen2VLImageProcessorPil(
-        patch_size=patch_size, merge_size=2, min_pixels=4 * unit * unit, max_pixels=16384 * unit * unit, **extra
+        patch_size=patch_size,
+        merge_size=2,
+        min_pixels=4 * unit * unit,
+        max_pixels=16384 * unit * unit,
+        **extra,
     )
 
 
@@ -66,15 +81,7 @@ def qwen2_5_vl(vocab_size: int) -> tuple[torch.nn.Module, object]:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     config = Qwen2_5_VLConfig(
-        vision_config=dict(
-            depth=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=TEXT_HIDDEN,
-            fullatt_block_indexes=[1, 3],
-            window_size=112,
-        ),
+        vision_config=_vision_config(TEXT_HIDDEN, fullatt_block_indexes=[1, 3], window_size=112),
         text_config=_text_config(TEXT_HIDDEN, vocab_size, rope_parameters=_mrope(TEXT_HIDDEN)),
         **_TOKENS,
         **_SPECIAL,
@@ -82,35 +89,41 @@ def qwen2_5_vl(vocab_size: int) -> tuple[torch.nn.Module, object]:
     return Qwen2_5_VLForConditionalGeneration(config), _qwen_processor(14)
 
 
-def qwen3_vl(vocab_size: int) -> tuple[torch.nn.Module, object]:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def qwen3_vl(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, object]:
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     # Wider than the others so that one item's embedding plus deepstack spans several wire chunks.
     hidden = 4 * TEXT_HIDDEN
-    config = Qwen3VLConfig(
-        vision_config=dict(
-            depth=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=hidden,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 2],
-        ),
-        text_config=_text_config(
-            hidden, vocab_size, head_dim=hidden // 4, rope_parameters=_mrope(hidden) | {"mrope_interleaved": True}
-        ),
+    rope = _mrope(hidden) | {"mrope_interleaved": True}
+    text = _text_config(hidden, vocab_size, head_dim=hidden // 4, rope_parameters=rope)
+    config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    if moe:  # Qwen3-VL-30B-A3B and its kin: the same tower before a mixture-of-experts language model
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        config_class, model_class = Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    config = config_class(
+        vision_config=_vision_config(hidden, num_position_embeddings=64, deepstack_visual_indexes=[0, 2]),
+        text_config=text,
         **_TOKENS,
     )
     # Qwen3-VL normalizes with mean = std = 0.5 and patch 16.
-    return Qwen3VLForConditionalGeneration(config), _qwen_processor(16, mean_std=0.5)
+    return model_class(config), _qwen_processor(16, mean_std=0.5)
 
 
-def llava(vocab_size: int, *, vision_feature_layer: int | list[int] = -2, select_strategy: str = "default"):
+def llava(
+    vocab_size: int,
+    *,
+    vision_feature_layer: int | list[int] = -2,
+    select_strategy: str = "default",
+    image_size: int = 56,  # 4x4 patches of 14; CLIP-L/14-336 has 336, 24x24
+):
     from transformers import LlavaConfig, LlavaForConditionalGeneration
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    image_size = 56  # 4x4 patches of 14, as CLIP-L/14-336 has 24x24
     config = LlavaConfig(
         vision_config=dict(
             model_type="clip_vision_model",
@@ -172,8 +185,13 @@ def tensor_names(model_dir: Path) -> list[str]:
     return sorted(names)
 
 
-def rewrite_tensors(model_dir: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
-    """Rewrites each safetensors file of the checkpoint in place with `edit(its tensors)`; keeps the index in step."""
+def rewrite_tensors(
+    model_dir: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+) -> None:
+    """Rewrites each safetensors file of the checkpoint in place with `edit(its tensors)`.
+
+    The index of a sharded checkpoint is kept in step.
+    """
     weight_map: dict[str, str] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:

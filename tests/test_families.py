@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import grpc
 import pytest
@@ -22,6 +24,7 @@ CASES = {
     "qwen2_vl": ("qwen2_vl", {}),
     "qwen2_5_vl": ("qwen2_5_vl", {}),
     "qwen3_vl": ("qwen3_vl", {}),
+    "qwen3_vl_moe": ("qwen3_vl", {"moe": True}),
     "llava": ("llava", {}),
     "llava-two-layers-full": ("llava", {"vision_feature_layer": [-3, -1], "select_strategy": "full"}),
 }
@@ -41,7 +44,9 @@ EXPECTED_INFO = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {case: write_checkpoint(family, root / case, **options) for case, (family, options) in CASES.items()}
+    return {
+        case: write_checkpoint(family, root / case, **options) for case, (family, options) in CASES.items()
+    }
 
 
 def reference_deepstack(features) -> torch.Tensor | None:
@@ -61,7 +66,7 @@ async def test_items_over_two_encoders_equal_get_image_features_fp32(case, check
             result = await rx.encode(case, [{"modality": "image", "data": d} for d in images])
             infos = await rx.model_info()
     assert {item.encoder_url for item in result.items} == {a.url, b.url}
-    for item, features in zip(result.items, expected):
+    for item, features in zip(result.items, expected, strict=True):
         (embedding,) = features.pooler_output
         assert item.embedding.dtype == torch.float32
         torch.testing.assert_close(item.embedding, embedding, rtol=1e-5, atol=1e-5)
@@ -74,7 +79,8 @@ async def test_items_over_two_encoders_equal_get_image_features_fp32(case, check
     for info in infos.values():
         for field, value in EXPECTED_INFO[family].items():
             assert getattr(info, field) == value, field
-        assert info.model_type == family and info.dtype == pb.FLOAT32
+        assert info.model_type == json.loads((model_dir / "config.json").read_text())["model_type"]
+        assert info.dtype == pb.FLOAT32
     if family == "llava":
         full = CASES[case][1].get("select_strategy") == "full"
         assert {item.grid_thw for item in result.items} == {(1, 4, 4)}
@@ -112,7 +118,9 @@ async def test_qwen3_vl_stream_carries_the_deepstack_layers_after_the_embedding(
     async with running_server(model_dir) as server:
         async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)
-            request = pb.EncodeRequest(request_id="ds", items=[pb.ImageItem(index=7, modality=pb.IMAGE, data=data)])
+            request = pb.EncodeRequest(
+                request_id="ds", items=[pb.ImageItem(index=7, modality=pb.IMAGE, data=data)]
+            )
             messages = [m async for m in stub.Encode(request)]
     header = messages[0].header
     payload = b"".join(m.chunk for m in messages[1:])
@@ -125,7 +133,9 @@ async def test_qwen3_vl_stream_carries_the_deepstack_layers_after_the_embedding(
 
 
 async def test_weights_fingerprint_tells_checkpoints_apart(checkpoints, tmp_path):
-    same_weights_other_layer = write_checkpoint("llava", tmp_path / "llava-last-layer", vision_feature_layer=-1)
+    same_weights_other_layer = write_checkpoint(
+        "llava", tmp_path / "llava-last-layer", vision_feature_layer=-1
+    )
     assert (same_weights_other_layer / "model.safetensors").read_bytes() == (
         checkpoints["llava"] / "model.safetensors"
     ).read_bytes()
@@ -146,6 +156,41 @@ async def test_weights_fingerprint_tells_checkpoints_apart(checkpoints, tmp_path
     assert fingerprints["qwen3_vl"] != fingerprints["qwen3_vl-seed-1"]
     assert fingerprints["llava"] != fingerprints["llava-last-layer"]
     assert len(set(fingerprints.values())) == 4
+
+
+# preprocessor_config.json as the public checkpoints ship it (Qwen2-VL-7B-Instruct, Qwen3-VL-2B-Instruct,
+# llava-1.5-7b-hf), with the token counts their model cards give for a 640x480 image.
+_CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+HUB_PROCESSORS = {
+    "qwen2_vl": (391, (1, 34, 46), dict(
+        image_processor_type="Qwen2VLImageProcessor", min_pixels=3136, max_pixels=12845056, patch_size=14,
+        temporal_patch_size=2, merge_size=2, image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
+    )),
+    "qwen3_vl": (300, (1, 30, 40), dict(
+        image_processor_type="Qwen2VLImageProcessorFast", size={"longest_edge": 16777216, "shortest_edge": 65536},
+        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )),
+    "llava-336": (576, (1, 24, 24), dict(
+        image_processor_type="CLIPImageProcessor", crop_size={"height": 336, "width": 336}, do_center_crop=True,
+        do_convert_rgb=True, do_normalize=True, do_rescale=True, do_resize=True, image_mean=_CLIP_MEAN,
+        image_std=_CLIP_STD, resample=3, rescale_factor=1 / 255, size={"shortest_edge": 336},
+    )),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(HUB_PROCESSORS))
+def test_public_checkpoints_processor_configs_give_their_token_counts(case, checkpoints, tmp_path):
+    num_tokens, grid_thw, processor_config = HUB_PROCESSORS[case]
+    if case == "llava-336":
+        model_dir = write_checkpoint("llava", tmp_path / case, image_size=336)
+    else:
+        model_dir = shutil.copytree(checkpoints[case], tmp_path / case)
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(processor_config))
+    encoder = load_vision_encoder(model_dir, "cpu", torch.float32)
+    prepared = encoder.preprocess(decode_image(image_bytes(640, 480)))
+    assert (prepared.num_tokens, prepared.grid_thw) == (num_tokens, grid_thw)
+    (output,) = encoder.encode([prepared])
+    assert output.embedding.shape == (num_tokens, encoder.spec.hidden_size)
 
 
 class MiscountingEncoder(VisionEncoder):
@@ -176,7 +221,9 @@ async def test_token_count_mismatch_fails_the_item_with_internal_and_sends_nothi
     async with running_server(model_dir, encoder=encoder) as server:
         async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
             stub = encoder_pb2_grpc.EncoderServiceStub(channel)
-            items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=d) for i, d in enumerate([good, bad, good])]
+            items = [
+                pb.ImageItem(index=i, modality=pb.IMAGE, data=d) for i, d in enumerate([good, bad, good])
+            ]
             call = stub.Encode(pb.EncodeRequest(request_id="miscount", items=items))
             messages = []
             with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -186,7 +233,9 @@ async def test_token_count_mismatch_fails_the_item_with_internal_and_sends_nothi
         assert raised.value.details() == message
         headers = [m.header for m in messages if m.WhichOneof("kind") == "header"]
         assert [h.index for h in headers] == [0]  # item 0 arrived whole, then nothing for item 1
-        assert sum(len(m.chunk) for m in messages if m.WhichOneof("kind") == "chunk") == headers[0].payload_bytes
+        assert (
+            sum(len(m.chunk) for m in messages if m.WhichOneof("kind") == "chunk") == headers[0].payload_bytes
+        )
 
         async with EncoderReceiver([server.url]) as rx:
             with pytest.raises(ShardError) as shard_error:

@@ -23,7 +23,10 @@ OTHER_LAYOUTS = {
     "qwen3_vl": [{"model.visual.": "visual."}],
     "llava": [
         {"vision_tower.": "vision_tower.vision_model."},  # llava-hf on the hub
-        {"vision_tower.": "model.vision_tower.vision_model.", "multi_modal_projector.": "model.multi_modal_projector."},
+        {
+            "vision_tower.": "model.vision_tower.vision_model.",
+            "multi_modal_projector.": "model.multi_modal_projector.",
+        },
         {"vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."},
     ],
 }
@@ -95,19 +98,47 @@ def add(name, like):
     return edit
 
 
-@pytest.mark.parametrize(
-    "family, edit, message",
-    [
-        ("qwen2_vl", drop("visual.merger.mlp.2.weight"), "missing vision tensors (looked for under model.visual., visual.): merger.mlp.2.weight"),
-        ("qwen3_vl", drop("model.visual.deepstack_merger_list.1.norm.bias"), "missing vision tensors (looked for under model.visual., visual.): deepstack_merger_list.1.norm.bias"),
-        ("llava", drop("multi_modal_projector.linear_2.bias"), "vision_tower.vision_model.): multi_modal_projector.linear_2.bias"),
-        ("qwen2_5_vl", reshape("visual.patch_embed.proj.weight"), "tensor patch_embed.proj.weight has shape (31, 3, 2, 14, 14), the config expects (32, 3, 2, 14, 14)"),
-        ("llava", reshape("vision_tower.embeddings.position_embedding.weight"), "tensor vision_tower.embeddings.position_embedding.weight has shape (16, 32), the config expects (17, 32)"),
-        ("qwen2_vl", add("visual.blocks.7.attn.qkv.weight", "visual.blocks.0.attn.qkv.weight"), "unexpected vision tensors: blocks.7.attn.qkv.weight"),
-        ("qwen2_5_vl", add("model.visual.merger.ln_q.weight", "visual.merger.ln_q.weight"), "both load into merger.ln_q.weight"),
-    ],
-    ids=["missing-qwen2", "missing-qwen3-deepstack", "missing-llava-projector", "shape-qwen2_5", "shape-llava", "unexpected", "twice"],
-)  # fmt: skip
+QWEN_PREFIXES = "(looked for under model.visual., visual.)"
+BAD_TENSORS = {
+    "missing-qwen2": (
+        "qwen2_vl",
+        drop("visual.merger.mlp.2.weight"),
+        f"missing vision tensors {QWEN_PREFIXES}: merger.mlp.2.weight",
+    ),
+    "missing-qwen3-deepstack": (
+        "qwen3_vl",
+        drop("model.visual.deepstack_merger_list.1.norm.bias"),
+        f"missing vision tensors {QWEN_PREFIXES}: deepstack_merger_list.1.norm.bias",
+    ),
+    "missing-llava-projector": (
+        "llava",
+        drop("multi_modal_projector.linear_2.bias"),
+        "vision_tower.vision_model.): multi_modal_projector.linear_2.bias",
+    ),
+    "shape-qwen2_5": (
+        "qwen2_5_vl",
+        reshape("visual.patch_embed.proj.weight"),
+        "tensor patch_embed.proj.weight has shape (31, 3, 2, 14, 14), the config expects (32, 3, 2, 14, 14)",
+    ),
+    "shape-llava": (
+        "llava",
+        reshape("vision_tower.embeddings.position_embedding.weight"),
+        "tensor vision_tower.embeddings.position_embedding.weight has shape (16, 32), the config expects (17, 32)",
+    ),
+    "unexpected": (
+        "qwen2_vl",
+        add("visual.blocks.7.attn.qkv.weight", like="visual.blocks.0.attn.qkv.weight"),
+        "unexpected vision tensors: blocks.7.attn.qkv.weight",
+    ),
+    "twice": (
+        "qwen2_5_vl",
+        add("model.visual.merger.ln_q.weight", like="visual.merger.ln_q.weight"),
+        "both load into merger.ln_q.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("family, edit, message", BAD_TENSORS.values(), ids=BAD_TENSORS.keys())
 def test_bad_vision_tensors_fail_at_startup_naming_the_tensor(family, edit, message, checkpoints, tmp_path):
     model_dir = copy_of(checkpoints[family], tmp_path)
     rewrite_tensors(model_dir, edit)
@@ -129,7 +160,10 @@ def test_processor_cut_for_another_patch_size_fails_at_startup(checkpoints, tmp_
     config_path = model_dir / "preprocessor_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "patch_size": 14}))
-    with pytest.raises(CheckpointError, match="preprocessor_config.json has patch_size 14, but the vision tower's patch_size is 16"):
+    with pytest.raises(
+        CheckpointError,
+        match="preprocessor_config.json has patch_size 14, but the vision tower's patch_size is 16",
+    ):
         load_vision_encoder(model_dir, "cpu", torch.float32)
 
 
@@ -137,12 +171,14 @@ def test_unsupported_model_type_fails_listing_the_supported_ones(checkpoints, tm
     model_dir = copy_of(checkpoints["llava"], tmp_path)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "fuyu"}))
-    expected = "unsupported model_type 'fuyu' in {}; supported: llava, qwen2_5_vl, qwen2_vl, qwen3_vl"
+    expected = (
+        "unsupported model_type 'fuyu' in {}; supported: llava, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe"
+    )
     with pytest.raises(CheckpointError) as raised:
         load_vision_encoder(model_dir, "cpu", torch.float32)
     assert str(raised.value) == expected.format(model_dir / "config.json")
     # The server process refuses to start with the same message, and exits.
-    with pytest.raises(RuntimeError, match="supported: llava, qwen2_5_vl, qwen2_vl, qwen3_vl"):
+    with pytest.raises(RuntimeError, match="supported: llava, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe"):
         with server_process(model_dir, "--device", "cpu", log_dir=tmp_path):
             pass
 

@@ -48,7 +48,10 @@ class LlavaVision(nn.Module):
         self.select_strategy: str = config.vision_feature_select_strategy
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, tokens, text hidden size]: the selected hidden states, CLS dropped for "default", projected."""
+        """[images, tokens, text hidden size]: the selected layers' hidden states, projected.
+
+        The CLS token is dropped for the "default" strategy and kept for "full".
+        """
         # Asking for the selected layers only, as get_image_features does, keeps the others unstored.
         outputs = self.vision_tower(pixel_values, output_hidden_states=self.feature_layer, return_dict=True)
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else self.feature_layer

@@ -99,8 +99,9 @@ def load_strict(
     expected = module.state_dict()
     missing = sorted(set(expected) - set(tensors))
     if missing:
+        where = ", ".join(sorted(prefixes))
         raise CheckpointError(
-            f"{model_dir}: missing vision tensors (looked for under {', '.join(sorted(prefixes))}): {_names(missing)}"
+            f"{model_dir}: missing vision tensors (looked for under {where}): {_names(missing)}"
         )
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:

@@ -20,6 +20,11 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
 
     @staticmethod
     def tower_class(model_type: str) -> type:
+        # The MoE checkpoints (Qwen3-VL-30B-A3B, ...) have the same tower under their own class.
+        if model_type == "qwen3_vl_moe":
+            from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+            return Qwen3VLMoeVisionModel
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         return Qwen3VLVisionModel

@@ -27,13 +27,17 @@ class QwenVisionEncoder(VisionEncoder):
         vision_config = config.vision_config
         tower_class = self.tower_class(config.model_type)
         self.tower, fingerprint = load_vision_module(
-            lambda: tower_class._from_config(vision_config, dtype=dtype), model_dir, VISUAL_PREFIXES, device, dtype
+            lambda: tower_class._from_config(vision_config, dtype=dtype),
+            model_dir,
+            VISUAL_PREFIXES,
+            device,
+            dtype,
         )
         self.processor = load_image_processor(model_dir)
         _check_processor_matches_tower(self.processor, vision_config, model_dir)
         self.merge_size = vision_config.spatial_merge_size
         self.spec = ModelSpec(
-            family=config.model_type,
+            family=config.model_type.removesuffix("_moe"),  # a MoE language model does not change the tower
             model_type=config.model_type,
             hidden_size=_out_hidden_size(vision_config),
             dtype=dtype,
@@ -52,7 +56,9 @@ class QwenVisionEncoder(VisionEncoder):
             from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
             return Qwen2VisionTransformerPretrainedModel
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
 
         return Qwen2_5_VisionTransformerPretrainedModel
 
