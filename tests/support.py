@@ -32,7 +32,11 @@ def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG", mode: 
 
 
 def reference_features(model_dir: Path, images: list[bytes], dtype: torch.dtype = torch.float32):
-    """The full VLM's own get_image_features on each image, run in-process: the ground truth."""
+    """The full VLM's own get_image_features on each image, run in-process: the ground truth.
+
+    Each output's `.pooler_output` holds the image's embedding (a one-element list or tuple);
+    Qwen3-VL's `.deepstack_features` holds, per deepstack layer, a one-element tuple too.
+    """
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from encoder_server.images import decode_image
@@ -43,10 +47,9 @@ def reference_features(model_dir: Path, images: list[bytes], dtype: torch.dtype 
     with torch.inference_mode():
         for data in images:
             inputs = processor(images=[decode_image(data)], return_tensors="pt")
-            features = model.get_image_features(
-                pixel_values=inputs["pixel_values"].to(dtype), image_grid_thw=inputs.get("image_grid_thw")
-            )
-            outputs.append(features)
+            # Everything else the processor returns (Qwen's image_grid_thw; nothing for CLIP) goes along.
+            pixel_values = inputs.pop("pixel_values").to(dtype)
+            outputs.append(model.get_image_features(pixel_values=pixel_values, **inputs))
     return outputs
 
 

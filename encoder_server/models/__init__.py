@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from .loading import CheckpointError
 
-
-def _qwen_vl(model_dir: Path, config: PretrainedConfig, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
-    from .qwen_vl import QwenVisionEncoder
-
-    return QwenVisionEncoder(model_dir, config, device, dtype)
-
-
-# model_type in config.json -> loader
-FAMILIES: dict[str, Callable[[Path, PretrainedConfig, torch.device, torch.dtype], VisionEncoder]] = {
-    "qwen2_vl": _qwen_vl,
-    "qwen2_5_vl": _qwen_vl,
+# model_type in config.json -> the class serving it, as "module.Class" of this package: a family's
+# module (and the transformers classes it uses) is imported only when a checkpoint of it is loaded.
+FAMILIES: dict[str, str] = {
+    "qwen2_vl": "qwen_vl.QwenVisionEncoder",
+    "qwen2_5_vl": "qwen_vl.QwenVisionEncoder",
+    "qwen3_vl": "qwen3_vl.Qwen3VisionEncoder",
+    "qwen3_vl_moe": "qwen3_vl.Qwen3VisionEncoder",
+    "llava": "llava.LlavaVisionEncoder",
 }
 
 
@@ -30,14 +28,17 @@ def load_vision_encoder(model_dir: str | Path, device: str | torch.device, dtype
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise CheckpointError(f"{model_dir} has no config.json: not a Hugging Face checkpoint directory")
-    config = AutoConfig.from_pretrained(str(model_dir))
-    loader = FAMILIES.get(config.model_type)
-    if loader is None:
+    # Read model_type first: transformers itself may not know an unsupported one.
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    encoder_path = FAMILIES.get(model_type)
+    if encoder_path is None:
         raise CheckpointError(
-            f"unsupported model_type {config.model_type!r} in {model_dir / 'config.json'}; "
+            f"unsupported model_type {model_type!r} in {model_dir / 'config.json'}; "
             f"supported: {', '.join(sorted(FAMILIES))}"
         )
-    return loader(model_dir, config, torch.device(device), dtype)
+    module, name = encoder_path.rsplit(".", 1)
+    encoder_class = getattr(importlib.import_module(f".{module}", __name__), name)
+    return encoder_class(model_dir, AutoConfig.from_pretrained(str(model_dir)), torch.device(device), dtype)
 
 
 __all__ = [

@@ -33,7 +33,7 @@ class PreparedImage:
     """One image after the checkpoint's own image processor, ready for the tower."""
 
     pixel_values: torch.Tensor
-    grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int]  # patch grid before merging; (1, rows, columns) for fixed-size towers
     num_tokens: int  # what the tower must produce for this image
     num_patches: int  # rows of pixel_values before merging: the forward's cost unit
 
@@ -63,6 +63,7 @@ class VisionEncoder(abc.ABC):
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
         """One forward pass over the batch; outputs are on the CPU, in the served dtype.
 
-        Raises TokenCountMismatchError (naming the batch position) when the tower's output does
-        not match an image's `num_tokens`.
+        Raises TokenCountMismatchError when the tower's output does not match the images'
+        `num_tokens`; the batcher then encodes the batch's items one by one to fail only the
+        item at fault, so the error does not name a batch position.
         """

@@ -1,0 +1,222 @@
+"""Tiny full-VLM checkpoints of each served family, built and saved by transformers itself.
+
+Each builder makes the whole model (language model included) from a small config with seeded
+random weights and writes it with `save_pretrained`, beside the image processor the family's real
+checkpoints use, so loading goes through exactly what a downloaded checkpoint would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+# Shared by every family's language model: small, but a real decoder the VLM class accepts.
+TEXT_HIDDEN = 64
+_TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
+_SPECIAL = dict(bos_token_id=254, eos_token_id=255, pad_token_id=0)
+
+
+def _text_config(hidden_size: int, vocab_size: int, **extra) -> dict:
+    return dict(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        **_SPECIAL,
+        **extra,
+    )
+
+
+def _mrope(hidden_size: int) -> dict:
+    half = hidden_size // 4 // 2  # head_dim / 2 with 4 heads, split over t, h, w
+    return {
+        "rope_type": "default",
+        "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+        "rope_theta": 1e6,
+    }
+
+
+def _vision_config(out_hidden_size: int, **extra) -> dict:
+    """A 4-block Qwen2.5-VL / Qwen3-VL tower of width 32."""
+    return dict(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=out_hidden_size, **extra
+    )
+
+
+def _qwen_processor(patch_size: int, mean_std: float | None = None):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    unit = patch_size * 2  # one merged token
+    extra = {} if mean_std is None else dict(image_mean=[mean_std] * 3, image_std=[mean_std] * 3)
+    # The real checkpoints' range: 4 to 16384 merged tokens per image.
+    return Qwen2VLImageProcessorPil(
+        patch_size=patch_size,
+        merge_size=2,
+        min_pixels=4 * unit * unit,
+        max_pixels=16384 * unit * unit,
+        **extra,
+    )
+
+
+def qwen2_vl(vocab_size: int) -> tuple[torch.nn.Module, object]:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=TEXT_HIDDEN, num_heads=2, mlp_ratio=2),
+        text_config=_text_config(TEXT_HIDDEN, vocab_size, rope_parameters=_mrope(TEXT_HIDDEN)),
+        **_TOKENS,
+        **_SPECIAL,
+    )
+    return Qwen2VLForConditionalGeneration(config), _qwen_processor(14)
+
+
+def qwen2_5_vl(vocab_size: int) -> tuple[torch.nn.Module, object]:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = Qwen2_5_VLConfig(
+        vision_config=_vision_config(TEXT_HIDDEN, fullatt_block_indexes=[1, 3], window_size=112),
+        text_config=_text_config(TEXT_HIDDEN, vocab_size, rope_parameters=_mrope(TEXT_HIDDEN)),
+        **_TOKENS,
+        **_SPECIAL,
+    )
+    return Qwen2_5_VLForConditionalGeneration(config), _qwen_processor(14)
+
+
+def qwen3_vl(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, object]:
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
+
+    # Wider than the others so that one item's embedding plus deepstack spans several wire chunks.
+    hidden = 4 * TEXT_HIDDEN
+    rope = _mrope(hidden) | {"mrope_interleaved": True}
+    text = _text_config(hidden, vocab_size, head_dim=hidden // 4, rope_parameters=rope)
+    config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    if moe:  # Qwen3-VL-30B-A3B and its kin: the same tower before a mixture-of-experts language model
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        config_class, model_class = Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    config = config_class(
+        vision_config=_vision_config(hidden, num_position_embeddings=64, deepstack_visual_indexes=[0, 2]),
+        text_config=text,
+        **_TOKENS,
+    )
+    # Qwen3-VL normalizes with mean = std = 0.5 and patch 16.
+    return model_class(config), _qwen_processor(16, mean_std=0.5)
+
+
+def llava(
+    vocab_size: int,
+    *,
+    vision_feature_layer: int | list[int] = -2,
+    select_strategy: str = "default",
+    image_size: int = 56,  # 4x4 patches of 14; CLIP-L/14-336 has 336, 24x24
+):
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    config = LlavaConfig(
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            patch_size=14,
+            image_size=image_size,
+            projection_dim=32,
+        ),
+        text_config=dict(model_type="llama", **_text_config(TEXT_HIDDEN, vocab_size)),
+        image_token_index=_TOKENS["image_token_id"],
+        image_seq_length=(image_size // 14) ** 2,
+        vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy=select_strategy,
+        **_SPECIAL,
+    )
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    return LlavaForConditionalGeneration(config), processor
+
+
+BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, object]]] = {
+    "qwen2_vl": qwen2_vl,
+    "qwen2_5_vl": qwen2_5_vl,
+    "qwen3_vl": qwen3_vl,
+    "llava": llava,
+}
+
+
+def write_checkpoint(
+    family: str,
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 256,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    **options,
+) -> Path:
+    """Builds the full tiny VLM of `family` with seeded weights and saves it with its processor."""
+    torch.manual_seed(seed)
+    model, processor = BUILDERS[family](vocab_size, **options)
+    model = model.to(dtype).eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out_dir, **kwargs)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def tensor_names(model_dir: Path) -> list[str]:
+    """Every tensor name stored in the checkpoint, across its shards."""
+    names: list[str] = []
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return sorted(names)
+
+
+def rewrite_tensors(
+    model_dir: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+) -> None:
+    """Rewrites each safetensors file of the checkpoint in place with `edit(its tensors)`.
+
+    The index of a sharded checkpoint is kept in step.
+    """
+    weight_map: dict[str, str] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
+            tensors = edit({name: f.get_tensor(name).clone() for name in f.keys()})
+        save_file(tensors, str(path), metadata=metadata)
+        weight_map.update(dict.fromkeys(tensors, path.name))
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        content = json.loads(index.read_text())
+        content["weight_map"] = weight_map
+        index.write_text(json.dumps(content, indent=2))
+
+
+def rename_prefixes(model_dir: Path, renames: Mapping[str, str]) -> None:
+    """Stores the checkpoint's tensors under other name prefixes, e.g. {"visual.": "model.visual."}.
+
+    Real checkpoints differ in the prefixes they store (older exports, other tools); this makes
+    a checkpoint with the same weights under another naming.
+    """
+
+    def renamed(name: str) -> str:
+        for old, new in renames.items():
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    rewrite_tensors(model_dir, lambda tensors: {renamed(name): t for name, t in tensors.items()})

@@ -1,0 +1,246 @@
+"""Each served family against the model's own get_image_features, through real servers and the receiver."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import grpc
+import pytest
+import torch
+
+from encoder_server.images import decode_image
+from encoder_server.models import ImageEmbedding, PreparedImage, VisionEncoder, load_vision_encoder
+from protos import encoder_pb2 as pb
+from protos import encoder_pb2_grpc
+from protos.wire import CHUNK_BYTES
+from receiver import EncoderReceiver, ShardError
+from tests.checkpoints import write_checkpoint
+from tests.support import image_bytes, reference_features, running_server
+
+# case -> (family, builder options)
+CASES = {
+    "qwen2_vl": ("qwen2_vl", {}),
+    "qwen2_5_vl": ("qwen2_5_vl", {}),
+    "qwen3_vl": ("qwen3_vl", {}),
+    "qwen3_vl_moe": ("qwen3_vl", {"moe": True}),
+    "llava": ("llava", {}),
+    "llava-two-layers-full": ("llava", {"vision_feature_layer": [-3, -1], "select_strategy": "full"}),
+}
+
+# (width, height): tiny, square, wide, tall, photo-shaped, and one whose Qwen3-VL payload (embedding
+# plus 2 deepstack layers) spans several wire chunks.
+SIZES = [(1, 1), (64, 64), (320, 96), (96, 320), (500, 375), (800, 600)]
+
+EXPECTED_INFO = {
+    "qwen2_vl": dict(family="qwen2_vl", hidden_size=64, patch_size=14, spatial_merge_size=2, num_deepstack_layers=0),
+    "qwen2_5_vl": dict(family="qwen2_5_vl", hidden_size=64, patch_size=14, spatial_merge_size=2, num_deepstack_layers=0),
+    "qwen3_vl": dict(family="qwen3_vl", hidden_size=256, patch_size=16, spatial_merge_size=2, num_deepstack_layers=2),
+    "llava": dict(family="llava", hidden_size=64, patch_size=14, spatial_merge_size=1, num_deepstack_layers=0),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {
+        case: write_checkpoint(family, root / case, **options) for case, (family, options) in CASES.items()
+    }
+
+
+def reference_deepstack(features) -> torch.Tensor | None:
+    """[layers, tokens, hidden] from get_image_features' per-layer, per-image deepstack lists."""
+    layers = getattr(features, "deepstack_features", None)
+    return torch.stack([per_image for (per_image,) in layers]) if layers else None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_items_over_two_encoders_equal_get_image_features_fp32(case, checkpoints):
+    model_dir = checkpoints[case]
+    family = CASES[case][0]
+    images = [image_bytes(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
+    expected = reference_features(model_dir, images)
+    async with running_server(model_dir) as a, running_server(model_dir) as b:
+        async with EncoderReceiver([a.url, b.url], seed=1) as rx:
+            result = await rx.encode(case, [{"modality": "image", "data": d} for d in images])
+            infos = await rx.model_info()
+    assert {item.encoder_url for item in result.items} == {a.url, b.url}
+    for item, features in zip(result.items, expected, strict=True):
+        (embedding,) = features.pooler_output
+        assert item.embedding.dtype == torch.float32
+        torch.testing.assert_close(item.embedding, embedding, rtol=1e-5, atol=1e-5)
+        deepstack = reference_deepstack(features)
+        if deepstack is None:
+            assert item.deepstack is None
+        else:
+            assert item.deepstack.shape == (2, *embedding.shape)
+            torch.testing.assert_close(item.deepstack, deepstack, rtol=1e-5, atol=1e-5)
+    for info in infos.values():
+        for field, value in EXPECTED_INFO[family].items():
+            assert getattr(info, field) == value, field
+        assert info.model_type == json.loads((model_dir / "config.json").read_text())["model_type"]
+        assert info.dtype == pb.FLOAT32
+    if family == "llava":
+        full = CASES[case][1].get("select_strategy") == "full"
+        assert {item.grid_thw for item in result.items} == {(1, 4, 4)}
+        assert {item.num_tokens for item in result.items} == {17 if full else 16}
+    else:
+        merge = EXPECTED_INFO[family]["spatial_merge_size"]
+        for item in result.items:
+            t, h, w = item.grid_thw
+            assert item.num_tokens == t * h * w // merge**2
+    if family == "qwen3_vl":
+        biggest = result.items[-1]
+        assert 3 * biggest.embedding.numel() * biggest.embedding.element_size() > CHUNK_BYTES
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, checkpoints):
+    """Built in the served dtype the way from_pretrained builds it, the tower runs the very same ops."""
+    images = [image_bytes(200, 150, seed=11)]
+    (features,) = reference_features(checkpoints[case], images, dtype=torch.bfloat16)
+    encoder = load_vision_encoder(checkpoints[case], "cpu", torch.bfloat16)
+    (output,) = encoder.encode([encoder.preprocess(decode_image(images[0]))])
+    assert output.embedding.dtype == torch.bfloat16
+    assert torch.equal(output.embedding, features.pooler_output[0])
+    deepstack = reference_deepstack(features)
+    assert (output.deepstack is None) == (deepstack is None)
+    if deepstack is not None:
+        assert torch.equal(output.deepstack, deepstack)
+
+
+async def test_qwen3_vl_stream_carries_the_deepstack_layers_after_the_embedding(checkpoints):
+    """What a non-Python client sees: the header's layer count and the payload layout of encoder.proto."""
+    model_dir = checkpoints["qwen3_vl"]
+    data = image_bytes(800, 600, seed=3)
+    (features,) = reference_features(model_dir, [data])
+    async with running_server(model_dir) as server:
+        async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+            request = pb.EncodeRequest(
+                request_id="ds", items=[pb.ImageItem(index=7, modality=pb.IMAGE, data=data)]
+            )
+            messages = [m async for m in stub.Encode(request)]
+    header = messages[0].header
+    payload = b"".join(m.chunk for m in messages[1:])
+    layers = torch.cat([features.pooler_output[0][None], reference_deepstack(features)])
+    assert header.index == 7 and header.num_deepstack_layers == 2 and header.hidden_size == 256
+    assert header.num_tokens == layers.shape[1] and header.payload_bytes == len(payload) == layers.numel() * 4
+    assert len(messages) - 1 > 1 and max(len(m.chunk) for m in messages[1:]) <= CHUNK_BYTES
+    received = torch.frombuffer(bytearray(payload), dtype=torch.float32).view(layers.shape)
+    torch.testing.assert_close(received, layers, rtol=1e-5, atol=1e-5)
+
+
+async def test_weights_fingerprint_tells_checkpoints_apart(checkpoints, tmp_path):
+    same_weights_other_layer = write_checkpoint(
+        "llava", tmp_path / "llava-last-layer", vision_feature_layer=-1
+    )
+    assert (same_weights_other_layer / "model.safetensors").read_bytes() == (
+        checkpoints["llava"] / "model.safetensors"
+    ).read_bytes()
+    dirs = {
+        "qwen3_vl": checkpoints["qwen3_vl"],
+        "qwen3_vl-again": checkpoints["qwen3_vl"],
+        "qwen3_vl-seed-1": write_checkpoint("qwen3_vl", tmp_path / "qwen3_vl-seed-1", seed=1),
+        "llava": checkpoints["llava"],
+        "llava-last-layer": same_weights_other_layer,
+    }
+    fingerprints = {}
+    for name, model_dir in dirs.items():
+        async with running_server(model_dir, warmup=False) as server:
+            async with EncoderReceiver([server.url]) as rx:
+                fingerprints[name] = (await rx.model_info())[server.url].weights_fingerprint
+    assert all(len(f) == 64 for f in fingerprints.values())
+    assert fingerprints["qwen3_vl"] == fingerprints["qwen3_vl-again"]
+    assert fingerprints["qwen3_vl"] != fingerprints["qwen3_vl-seed-1"]
+    assert fingerprints["llava"] != fingerprints["llava-last-layer"]
+    assert len(set(fingerprints.values())) == 4
+
+
+# preprocessor_config.json as the public checkpoints ship it (Qwen2-VL-7B-Instruct, Qwen3-VL-2B-Instruct,
+# llava-1.5-7b-hf), with the token counts their model cards give for a 640x480 image.
+_CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+HUB_PROCESSORS = {
+    "qwen2_vl": (391, (1, 34, 46), dict(
+        image_processor_type="Qwen2VLImageProcessor", min_pixels=3136, max_pixels=12845056, patch_size=14,
+        temporal_patch_size=2, merge_size=2, image_mean=_CLIP_MEAN, image_std=_CLIP_STD,
+    )),
+    "qwen3_vl": (300, (1, 30, 40), dict(
+        image_processor_type="Qwen2VLImageProcessorFast", size={"longest_edge": 16777216, "shortest_edge": 65536},
+        patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )),
+    "llava-336": (576, (1, 24, 24), dict(
+        image_processor_type="CLIPImageProcessor", crop_size={"height": 336, "width": 336}, do_center_crop=True,
+        do_convert_rgb=True, do_normalize=True, do_rescale=True, do_resize=True, image_mean=_CLIP_MEAN,
+        image_std=_CLIP_STD, resample=3, rescale_factor=1 / 255, size={"shortest_edge": 336},
+    )),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(HUB_PROCESSORS))
+def test_public_checkpoints_processor_configs_give_their_token_counts(case, checkpoints, tmp_path):
+    num_tokens, grid_thw, processor_config = HUB_PROCESSORS[case]
+    if case == "llava-336":
+        model_dir = write_checkpoint("llava", tmp_path / case, image_size=336)
+    else:
+        model_dir = shutil.copytree(checkpoints[case], tmp_path / case)
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(processor_config))
+    encoder = load_vision_encoder(model_dir, "cpu", torch.float32)
+    prepared = encoder.preprocess(decode_image(image_bytes(640, 480)))
+    assert (prepared.num_tokens, prepared.grid_thw) == (num_tokens, grid_thw)
+    (output,) = encoder.encode([prepared])
+    assert output.embedding.shape == (num_tokens, encoder.spec.hidden_size)
+
+
+class MiscountingEncoder(VisionEncoder):
+    """A real encoder whose preprocessing announces one token too many for images of one width."""
+
+    def __init__(self, inner: VisionEncoder, wrong_width: int):
+        self.inner = inner
+        self.spec = inner.spec
+        self.wrong_width = wrong_width
+
+    def preprocess(self, image) -> PreparedImage:
+        prepared = self.inner.preprocess(image)
+        if image.width == self.wrong_width:
+            return dataclasses.replace(prepared, num_tokens=prepared.num_tokens + 1)
+        return prepared
+
+    def encode(self, batch) -> list[ImageEmbedding]:
+        return self.inner.encode(batch)
+
+
+@pytest.mark.parametrize("case", ["qwen3_vl", "llava"])
+async def test_token_count_mismatch_fails_the_item_with_internal_and_sends_nothing_for_it(case, checkpoints):
+    model_dir = checkpoints[case]
+    encoder = MiscountingEncoder(load_vision_encoder(model_dir, "cpu", torch.float32), wrong_width=100)
+    good, bad = image_bytes(64, 64, seed=1), image_bytes(100, 64, seed=2)
+    produced = encoder.inner.preprocess(decode_image(bad)).num_tokens
+    message = f"Encoder produced {produced} tokens, but preprocessing expected {produced + 1}"
+    async with running_server(model_dir, encoder=encoder) as server:
+        async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+            items = [
+                pb.ImageItem(index=i, modality=pb.IMAGE, data=d) for i, d in enumerate([good, bad, good])
+            ]
+            call = stub.Encode(pb.EncodeRequest(request_id="miscount", items=items))
+            messages = []
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for m in call:
+                    messages.append(m)
+        assert raised.value.code() == grpc.StatusCode.INTERNAL
+        assert raised.value.details() == message
+        headers = [m.header for m in messages if m.WhichOneof("kind") == "header"]
+        assert [h.index for h in headers] == [0]  # item 0 arrived whole, then nothing for item 1
+        assert (
+            sum(len(m.chunk) for m in messages if m.WhichOneof("kind") == "chunk") == headers[0].payload_bytes
+        )
+
+        async with EncoderReceiver([server.url]) as rx:
+            with pytest.raises(ShardError) as shard_error:
+                await rx.encode("miscount", [{"data": good}, {"data": bad}])
+            assert shard_error.value.code == grpc.StatusCode.INTERNAL
+            assert 1 in shard_error.value.item_indices and str(shard_error.value).endswith(message)
+            # The server keeps serving.
+            assert (await rx.encode("after", [{"data": good}])).items[0].num_tokens > 0
