@@ -5,6 +5,7 @@ Prometheus with `prometheus_collector()` (prometheus-client is imported only the
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -85,31 +86,33 @@ class ReceiverMetrics:
         class _ReceiverCollector(Collector):
             def collect(self) -> Iterator:
                 with metrics._lock:
-                    families = [
-                        _counter(CounterMetricFamily, "encoder_receiver_requests", "encode calls by outcome", ["outcome"], metrics.requests),
-                        _counter(CounterMetricFamily, "encoder_receiver_items", "items received, by encoder", ["encoder"], metrics.items_by_encoder),
-                        _counter(CounterMetricFamily, "encoder_receiver_tokens", "embedding rows received, by encoder", ["encoder"], metrics.tokens_by_encoder),
-                        _counter(CounterMetricFamily, "encoder_receiver_shard_failures", "failed shards, by encoder and status code", ["encoder", "code"], metrics.shard_failures),
-                        _counter(CounterMetricFamily, "encoder_receiver_retries", "shards retried on the same encoder", ["encoder"], metrics.retries),
-                        _counter(CounterMetricFamily, "encoder_receiver_failovers", "shards moved to another encoder", ["from_encoder", "to_encoder"], metrics.failovers),
-                        _counter(CounterMetricFamily, "encoder_receiver_resolutions", "DNS resolutions of encoder names, by outcome", ["outcome"], metrics.resolutions),
-                    ]
-                    cumulative, buckets = 0, []
-                    for bound, count in zip([*map(str, LATENCY_BUCKETS_S), "+Inf"], metrics.latency_buckets):
-                        cumulative += count
-                        buckets.append((bound, cumulative))
+                    families = []
+                    for name, documentation, labels, counts in metrics._counter_table():
+                        family = CounterMetricFamily(f"encoder_receiver_{name}", documentation, labels=labels)
+                        for key, count in counts.items():
+                            family.add_metric(list(key) if isinstance(key, tuple) else [key], count)
+                        families.append(family)
+                    bounds = [*map(str, LATENCY_BUCKETS_S), "+Inf"]
+                    cumulative = list(itertools.accumulate(metrics.latency_buckets))
                     families.append(
                         HistogramMetricFamily(
-                            "encoder_receiver_request_seconds", "encode call latency", buckets=buckets, sum_value=metrics.latency_sum_s
+                            "encoder_receiver_request_seconds",
+                            "encode call latency",
+                            buckets=list(zip(bounds, cumulative)),
+                            sum_value=metrics.latency_sum_s,
                         )
                     )
                 yield from families
 
         return _ReceiverCollector()
 
-
-def _counter(family_type, name: str, documentation: str, labels: list[str], counts: Counter):
-    family = family_type(name, documentation, labels=labels)
-    for key, value in counts.items():
-        family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
-    return family
+    def _counter_table(self) -> list[tuple[str, str, list[str], Counter]]:
+        return [
+            ("requests", "encode calls by outcome", ["outcome"], self.requests),
+            ("items", "items received, by encoder", ["encoder"], self.items_by_encoder),
+            ("tokens", "embedding rows received, by encoder", ["encoder"], self.tokens_by_encoder),
+            ("shard_failures", "failed shards, by encoder and status code", ["encoder", "code"], self.shard_failures),
+            ("retries", "shards retried on the same encoder", ["encoder"], self.retries),
+            ("failovers", "shards moved to another encoder", ["from_encoder", "to_encoder"], self.failovers),
+            ("resolutions", "DNS resolutions of encoder names, by outcome", ["outcome"], self.resolutions),
+        ]
