@@ -150,6 +150,7 @@ class EncoderDiscovery:
                     await self._resolve()
         urls = self.current()
         if not urls:
+            self._resolved_at = None  # try again on the next call, not after refresh_s
             names = ", ".join(name.url for name in self.names)
             raise UnavailableError(f"no encoder addresses: {names} resolved to none")
         return urls
@@ -168,15 +169,15 @@ class EncoderDiscovery:
             *(asyncio.to_thread(self.resolver, name.host, name.port) for name in self.names), return_exceptions=True
         )
         for name, result in zip(self.names, results):
-            if isinstance(result, BaseException) or not result:
-                problem = result if isinstance(result, BaseException) else "no addresses"
+            if isinstance(result, BaseException) and not isinstance(result, OSError):
+                raise result  # a broken resolver, not a DNS answer
+            if isinstance(result, OSError) or not result:
+                problem = result if isinstance(result, OSError) else "no addresses"
                 log.warning(
                     "cannot resolve %s (%s); keeping its %d previous addresses", name.url, problem, len(self._addresses[name])
                 )
                 if self.metrics is not None:
                     self.metrics.resolved(ok=False)
-                if isinstance(result, BaseException) and not isinstance(result, OSError):
-                    raise result
                 continue
             addresses = sorted({address_url(address, port) for address, port in result})
             if addresses != self._addresses[name]:
