@@ -7,7 +7,7 @@ ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.9-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 # glibc would mmap (and page-fault) every fresh buffer of 32 MiB or more; large embedding
-# payloads run 1.3-3x faster with these thresholds (see FACTS.md). Read by glibc at start-up.
+# gRPC payloads moved 1.3-3x faster with these thresholds (measured). Read by glibc at start-up.
 ENV MALLOC_MMAP_THRESHOLD_=1073741824 \
     MALLOC_TRIM_THRESHOLD_=2147483648 \
     PYTHONUNBUFFERED=1 \
@@ -15,6 +15,7 @@ ENV MALLOC_MMAP_THRESHOLD_=1073741824 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
     HF_HOME=/tmp/hf \
+    XDG_CACHE_HOME=/tmp/cache \
     ENCODER_HOST=0.0.0.0 \
     ENCODER_PORT=50051 \
     ENCODER_METRICS_PORT=9000
