@@ -14,12 +14,16 @@ ENV_PREFIX = "ENCODER_"
 
 
 class _EnvDefaults(argparse.ArgumentParser):
-    """An ArgumentParser whose options default to $ENCODER_<OPTION> when that is set."""
+    """An ArgumentParser whose options default to $<env_prefix><OPTION> when that is set."""
+
+    def __init__(self, *args, env_prefix: str = ENV_PREFIX, **kwargs):
+        self.env_prefix = env_prefix
+        super().__init__(*args, **kwargs)
 
     def add_argument(self, *names, **kwargs):
         long_name = next((n for n in names if n.startswith("--")), None)
         if long_name and kwargs.get("action") not in ("help", "version"):
-            env = ENV_PREFIX + long_name[2:].upper().replace("-", "_")
+            env = self.env_prefix + long_name[2:].upper().replace("-", "_")
             if env in os.environ:
                 raw = os.environ[env]
                 kwargs["default"] = (raw.lower() in ("1", "true", "yes")) if kwargs.get("action") == "store_true" else raw
@@ -44,9 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=256 << 20, help="largest Encode request accepted")
     p.add_argument("--max-image-pixels", type=int, default=16384 * 16384, help="refuse larger images before decoding")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time for running calls on SIGTERM")
+    p.add_argument(
+        "--metrics-port", type=port_or_off, default="off", help="HTTP port of Prometheus /metrics ('off': none, 0: any free port)"
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up forward before SERVING")
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
+
+
+def port_or_off(value: str) -> int | None:
+    """A port number, or 'off' (None)."""
+    if value.strip().lower() in ("off", "none", ""):
+        return None
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number")
+    return port
 
 
 def tune_malloc() -> None:
@@ -104,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         max_request_bytes=int(args.max_request_bytes),
         max_image_pixels=int(args.max_image_pixels),
         grace_seconds=float(args.grace_seconds),
+        metrics_port=args.metrics_port,
         warmup=not args.no_warmup,
     )
     try:

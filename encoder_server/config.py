@@ -23,4 +23,5 @@ class ServerConfig:
     max_request_bytes: int = 256 << 20
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     grace_seconds: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: not served
     warmup: bool = True

@@ -17,6 +17,7 @@ from protos import encoder_pb2 as pb
 from .batcher import Batcher
 from .config import ServerConfig
 from .default_model import has_random_weights
+from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
 from .servicer import EncoderServicer, method_handlers
 
@@ -32,6 +33,8 @@ class EncoderServer:
         self.config = config
         self.encoder = encoder
         self.port: int | None = None
+        self.metrics = ServerMetrics()
+        self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._batcher: Batcher | None = None
@@ -39,8 +42,7 @@ class EncoderServer:
 
     @property
     def address(self) -> str:
-        host = self.config.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return _join_host_port(self.config.host, self.port)
 
     async def start(self) -> int:
         config = self.config
@@ -53,7 +55,8 @@ class EncoderServer:
         if random_weights:
             log.warning("%s has random weights: its embeddings are meaningless test outputs", config.model)
         self._pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
-        self._batcher = Batcher(self.encoder, config.batching)
+        self._batcher = Batcher(MeteredEncoder(self.encoder, self.metrics), config.batching)
+        self.metrics.watch_queue(lambda: self._batcher.queue_depth)
         self._batcher.start()
         if config.warmup:
             await loop.run_in_executor(None, self._warmup)
@@ -64,7 +67,7 @@ class EncoderServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights)
+        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights, self.metrics)
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -73,6 +76,9 @@ class EncoderServer:
         )
         self.port = self._server.add_insecure_port(f"{_bind_host(config.host)}:{config.port}")
         await self._server.start()
+        if config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
+            log.info("metrics on http://%s/metrics", _join_host_port(config.host, self.metrics_port))
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         spec = self.encoder.spec
@@ -102,10 +108,15 @@ class EncoderServer:
             await asyncio.get_running_loop().run_in_executor(None, self._batcher.stop)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        self.metrics.close()
 
     async def wait_for_termination(self) -> None:
         assert self._server is not None
         await self._server.wait_for_termination()
+
+
+def _join_host_port(host: str, port: int | None) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _bind_host(host: str) -> str:

@@ -22,6 +22,7 @@ from . import __version__
 from .batcher import Batcher, EncodedItem
 from .config import ServerConfig
 from .images import decode_image
+from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
 
 log = logging.getLogger(__name__)
@@ -87,17 +88,20 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         preprocess_pool: Executor,
         config: ServerConfig,
         random_weights: bool,
+        metrics: ServerMetrics | None = None,
     ):
         self.encoder = encoder
         self.batcher = batcher
         self.preprocess_pool = preprocess_pool
         self.config = config
         self.info = model_info(encoder.spec, config, random_weights)
+        self.metrics = metrics or ServerMetrics()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.info
 
     @_maps_errors
+    @recorded
     async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
         started = time.perf_counter()
         check_request(request, self.config)
@@ -115,13 +119,6 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         finally:
             for future in futures:
                 future.cancel()  # no-op for finished ones; frees queued work of a cancelled call
-        log.info(
-            "request %s: %d items, %d tokens, %.1f ms",
-            request.request_id,
-            len(prepared),
-            sum(p.num_tokens for p in prepared),
-            (time.perf_counter() - started) * 1000,
-        )
 
     def _prepare(self, item: pb.ImageItem) -> PreparedImage:
         """Bytes to pixel values, on a preprocessing thread. Errors name the item."""

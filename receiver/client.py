@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ from protos.errors import EncoderError, error_class_for
 
 from .assembly import ShardAssembler, StreamProtocolError
 from .channels import EncoderEndpoint
+from .discovery import DEFAULT_REFRESH_S, EncoderDiscovery, EndpointPool, Resolver, resolve_all
 from .errors import ShardError
 from .items import ImageSource, check_image_only, read_image_bytes
 from .precomputed import agreed_model, is_precomputed, precomputed_result
+from .metrics import ReceiverMetrics
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
 
@@ -41,13 +44,20 @@ class EncoderReceiver:
         timeout: float = DEFAULT_TIMEOUT_S,
         seed: int | None = None,
         file_roots: Sequence[str | Path] | None = None,
+        resolver: Resolver = resolve_all,
+        refresh_s: float = DEFAULT_REFRESH_S,
+        metrics: ReceiverMetrics | None = None,
     ):
         """
         Args:
-            urls: encoder servers, as `grpc://host:port`.
+            urls: encoder servers, as `grpc://host:port`, or `dns:///name:port` for every address
+                behind a name (a headless Service's pods), re-resolved as pods come and go.
             timeout: default deadline of one `encode` call, in seconds.
             seed: seeds the random sharding (for tests and reproducible runs).
             file_roots: directories `file://` items may be read from; None allows any path.
+            resolver: resolves a `dns:` name; the system resolver unless a test brings its own.
+            refresh_s: re-resolve `dns:` names when their addresses are older than this.
+            metrics: counters to record into (shared between receivers if given).
         """
         if not urls:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
@@ -55,9 +65,15 @@ class EncoderReceiver:
         self.timeout = timeout
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self._rng = random.Random(seed)
-        self._endpoints = [EncoderEndpoint.connect(url) for url in self.urls]
+        self.metrics = metrics or ReceiverMetrics()
+        self.discovery = EncoderDiscovery(self.urls, resolver=resolver, refresh_s=refresh_s, metrics=self.metrics)
+        self._pool = EndpointPool(self.discovery, close_grace_s=timeout)
         self._served_model: pb.ModelInfo | None = None
         self._served_model_lock = asyncio.Lock()
+
+    @property
+    def _endpoints(self) -> list[EncoderEndpoint]:
+        return self._pool.current
 
     async def __aenter__(self) -> EncoderReceiver:
         return self
@@ -66,12 +82,13 @@ class EncoderReceiver:
         await self.close()
 
     async def close(self) -> None:
-        await asyncio.gather(*(endpoint.close() for endpoint in self._endpoints))
+        await self._pool.close()
 
     async def model_info(self) -> dict[str, pb.ModelInfo]:
         """Each encoder's ModelInfo, by URL."""
-        infos = await asyncio.gather(*(e.get_model_info(pb.GetModelInfoRequest(), timeout=self.timeout) for e in self._endpoints))
-        return dict(zip(self.urls, infos))
+        endpoints = await self._pool.endpoints()
+        infos = await asyncio.gather(*(e.get_model_info(pb.GetModelInfoRequest(), timeout=self.timeout) for e in endpoints))
+        return dict(zip([e.url for e in endpoints], infos))
 
     async def served_model(self) -> pb.ModelInfo:
         """The model the encoders serve, fetched once per receiver; they must agree on hidden size, dtype."""
@@ -105,19 +122,27 @@ class EncoderReceiver:
         (before any Encode call), and ShardError when an encoder fails its share.
         """
         check_image_only(items)
+        started = time.perf_counter()
         results = await self._precomputed_results(items)
         raw = [index for index in range(len(items)) if index not in results]
         sources = await asyncio.to_thread(self._read_sources, items, raw)
-        shards = plan_shards(len(sources), len(self._endpoints), self._rng, num_items_assigned)
+        endpoints = await self._pool.endpoints()
+        shards = plan_shards(len(sources), len(endpoints), self._rng, num_items_assigned)
         deadline = timeout if timeout is not None else self.timeout
         tasks = [
-            asyncio.create_task(self._run_shard(request_id, shard, sources, results, deadline)) for shard in shards
+            asyncio.create_task(self._run_shard(request_id, shard, sources, results, deadline, endpoints))
+            for shard in shards
         ]
         try:
             await asyncio.gather(*tasks)
+        except ShardError as exc:
+            self._shard_failed(exc)
+            raise
         finally:
             for task in tasks:
                 task.cancel()
+            done = len(results) == len(items)
+            self.metrics.request_done(time.perf_counter() - started, list(results.values()) if done else None)
         return EncodeResult(request_id, [results[i] for i in range(len(items))])
 
     async def _precomputed_results(self, items: Sequence[Mapping[str, Any]]) -> dict[int, ItemResult]:
@@ -127,6 +152,13 @@ class EncoderReceiver:
             return {}
         info = await self.served_model()
         return await asyncio.to_thread(lambda: {i: precomputed_result(items[i], i, info) for i in indices})
+
+    def _shard_failed(self, error: ShardError) -> None:
+        """Counts the failure; an unreachable encoder makes discovery re-resolve and skip it a while."""
+        code = error.code.name if error.code is not None else "PROTOCOL"
+        self.metrics.shard_failed(error.encoder_url, code)
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            self.discovery.report_failure(error.encoder_url)
 
     def _read_sources(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> list[ImageSource]:
         return [ImageSource(index, read_image_bytes(items[index], index, self.file_roots)) for index in indices]
@@ -138,8 +170,9 @@ class EncoderReceiver:
         sources: Sequence[ImageSource],
         results: dict[int, ItemResult],
         timeout: float,
+        endpoints: Sequence[EncoderEndpoint],
     ) -> None:
-        endpoint = self._endpoints[shard.encoder]
+        endpoint = endpoints[shard.encoder]
         shard_sources = [sources[i] for i in shard.items]
         indices = [s.index for s in shard_sources]
         request = pb.EncodeRequest(

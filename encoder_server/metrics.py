@@ -1,0 +1,253 @@
+"""Prometheus metrics of one encoder server, served over HTTP on `--metrics-port`, and the per-call
+accounting (`RequestRecord`) that feeds them and writes each Encode call's one log line."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from protos import encoder_pb2 as pb
+from protos import wire
+from protos.errors import status_for
+
+from .models import ImageEmbedding, PreparedImage, VisionEncoder
+
+log = logging.getLogger(__name__)
+
+# Status code -> the `outcome` label: what an operator alerts on without listing codes.
+OUTCOMES: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.OK: "ok",
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
+    grpc.StatusCode.UNAUTHENTICATED: "invalid",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+    grpc.StatusCode.UNAVAILABLE: "overloaded",
+    grpc.StatusCode.CANCELLED: "cancelled",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "cancelled",
+}
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BATCH_ITEMS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """What an embedding cache reports to the metrics: counts since start and its current size."""
+
+    hits: int
+    misses: int
+    bytes_held: int
+    entries: int
+
+
+class ServerMetrics:
+    """The server's metrics in a registry of its own, so several servers can share a process (tests).
+
+    Hooks for parts that live elsewhere:
+    - `watch_queue(fn)`: fn() -> items waiting for a forward, read at each scrape.
+    - `watch_cache(fn)`: fn() -> CacheStats, read at each scrape; until it is called the cache
+      metrics are absent (a server without a cache does not claim 0 hits).
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "encoder_requests", "Encode calls finished, by outcome and gRPC status code", ["outcome", "code"], registry=r
+        )
+        self.items = Counter(
+            "encoder_items", "Items of finished Encode calls, by outcome and gRPC status code", ["outcome", "code"], registry=r
+        )
+        self.tokens = Counter("encoder_tokens", "Embedding rows sent", registry=r)
+        self.bytes_sent = Counter("encoder_response_bytes", "Bytes of Encode responses sent (headers and payload)", registry=r)
+        self.in_flight = Gauge("encoder_requests_in_flight", "Encode calls being served", registry=r)
+        self.queue_depth = Gauge("encoder_queue_items", "Items waiting for a forward", registry=r)
+        self.batch_items = Histogram("encoder_batch_items", "Images per forward", buckets=_BATCH_ITEMS, registry=r)
+        self.forward_seconds = Histogram("encoder_forward_seconds", "Duration of one forward", buckets=_SECONDS, registry=r)
+        self.item_seconds = Histogram(
+            "encoder_item_stage_seconds",
+            "Per item: time in the queue, in preprocessing (its call's), in its batch's forward, and streaming it",
+            ["stage"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self._cache_stats: Callable[[], CacheStats] | None = None
+        r.register(_CacheCollector(self))
+        self._http: WSGIServer | None = None
+
+    def watch_queue(self, depth: Callable[[], int]) -> None:
+        self.queue_depth.set_function(depth)
+
+    def watch_cache(self, stats: Callable[[], CacheStats]) -> None:
+        self._cache_stats = stats
+
+    def record(self, request_id: str, num_items: int, context: grpc.aio.ServicerContext | None = None) -> RequestRecord:
+        return RequestRecord(self, request_id, num_items, context)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks one)."""
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _CacheCollector(Collector):
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator:
+        if self.metrics._cache_stats is None:
+            return
+        stats = self.metrics._cache_stats()
+        yield CounterMetricFamily("encoder_cache_hits", "Items served from the embedding cache", value=stats.hits)
+        yield CounterMetricFamily("encoder_cache_misses", "Items the embedding cache did not hold", value=stats.misses)
+        yield GaugeMetricFamily("encoder_cache_bytes", "Bytes of embeddings the cache holds", value=stats.bytes_held)
+        yield GaugeMetricFamily("encoder_cache_entries", "Items the cache holds", value=stats.entries)
+
+
+class MeteredEncoder(VisionEncoder):
+    """Wraps the loaded encoder so every forward the batcher runs records its size and duration."""
+
+    def __init__(self, encoder: VisionEncoder, metrics: ServerMetrics):
+        self.inner = encoder
+        self.spec = encoder.spec
+        self.metrics = metrics
+
+    def preprocess(self, image) -> PreparedImage:
+        return self.inner.preprocess(image)
+
+    def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
+        started = time.perf_counter()
+        try:
+            return self.inner.encode(batch)
+        finally:
+            self.metrics.forward_seconds.observe(time.perf_counter() - started)
+            self.metrics.batch_items.observe(len(batch))
+
+
+def recorded(encode: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
+    """Wraps the servicer's Encode: accounts every message it sends in a RequestRecord.
+
+    Goes inside the error mapping, so the record sees the domain error a call failed with.
+    """
+
+    @functools.wraps(encode)
+    async def wrapper(self, request, context):
+        with self.metrics.record(request.request_id, len(request.items), context) as record:
+            async for message in encode(self, request, context):
+                started = time.perf_counter()
+                yield message
+                record.sent(message, started)
+
+    return wrapper
+
+
+class RequestRecord:
+    """One Encode call's accounting, read off the messages it sends (item headers carry the timings).
+
+    On exit it counts the call and its items by outcome (items not fully sent take the call's
+    status) and logs the call's one line: request id, status, items, tokens, bytes and timings.
+    """
+
+    def __init__(self, metrics: ServerMetrics, request_id: str, num_items: int, context):
+        self.metrics = metrics
+        self.request_id = request_id
+        self.num_items = num_items
+        self.context = context
+        self.started = time.perf_counter()
+        self.preprocess_s = 0.0  # the call's preprocessing (its items run in parallel)
+        self.queue_s = 0.0  # the longest any item waited
+        self.forward_s = 0.0  # the longest forward any item was in
+        self.stream_s = 0.0
+        self.items_sent = 0
+        self.tokens = 0
+        self.bytes = 0
+        self._item: pb.ItemHeader | None = None
+        self._item_started = 0.0
+        self._item_filled = 0
+
+    def __enter__(self) -> RequestRecord:
+        self.metrics.in_flight.inc()
+        return self
+
+    def sent(self, message: pb.EncodeResponse | bytes, started: float) -> None:
+        """Accounts one message the call sent; `started` is when it was handed to gRPC."""
+        if isinstance(message, bytes):
+            self.bytes += len(message)
+            part = wire.parse_response(message)
+        else:
+            self.bytes += message.ByteSize()
+            part = message.header if message.HasField("header") else memoryview(message.chunk)
+        if isinstance(part, pb.ItemHeader):
+            self._item, self._item_started, self._item_filled = part, started, 0
+        else:
+            self._item_filled += len(part)
+        if self._item is not None and self._item_filled == self._item.payload_bytes:
+            self._item_done(self._item, time.perf_counter() - self._item_started)
+            self._item = None
+
+    def _item_done(self, header: pb.ItemHeader, stream_s: float) -> None:
+        timing = header.timing
+        queue_s, preprocess_s, forward_s = timing.queue_ms / 1000, timing.preprocess_ms / 1000, timing.forward_ms / 1000
+        stages = self.metrics.item_seconds
+        stages.labels("queue").observe(queue_s)
+        stages.labels("preprocess").observe(preprocess_s)
+        stages.labels("forward").observe(forward_s)
+        stages.labels("stream").observe(stream_s)
+        self.metrics.tokens.inc(header.num_tokens)
+        self.preprocess_s = max(self.preprocess_s, preprocess_s)
+        self.queue_s = max(self.queue_s, queue_s)
+        self.forward_s = max(self.forward_s, forward_s)
+        self.stream_s += stream_s
+        self.items_sent += 1
+        self.tokens += header.num_tokens
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        code = self._status(exc)
+        m = self.metrics
+        m.in_flight.dec()
+        m.bytes_sent.inc(self.bytes)
+        outcome = OUTCOMES.get(code, "error")
+        m.requests.labels(outcome, code.name).inc()
+        if self.items_sent:
+            m.items.labels("ok", "OK").inc(self.items_sent)
+        if self.num_items > self.items_sent:
+            m.items.labels(outcome, code.name).inc(self.num_items - self.items_sent)
+        log.info(
+            "request %s: %s, %d/%d items, %d tokens, %.2f MB, preprocess %.1f ms, queue %.1f ms, "
+            "forward %.1f ms, stream %.1f ms, total %.1f ms",
+            self.request_id,
+            code.name,
+            self.items_sent,
+            self.num_items,
+            self.tokens,
+            self.bytes / 1e6,
+            self.preprocess_s * 1000,
+            self.queue_s * 1000,
+            self.forward_s * 1000,
+            self.stream_s * 1000,
+            (time.perf_counter() - self.started) * 1000,
+        )
+
+    def _status(self, exc: BaseException | None) -> grpc.StatusCode:
+        if exc is None:
+            return grpc.StatusCode.OK
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            remaining = self.context.time_remaining() if self.context is not None else None
+            expired = remaining is not None and remaining <= 0
+            return grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+        return status_for(exc)

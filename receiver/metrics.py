@@ -1,0 +1,118 @@
+"""Receiver-side counters: requests and latency, items per encoder, shard failures, retries, failovers
+and DNS re-resolutions. Plain numbers a prefill node reads with `snapshot()`, or exports to
+Prometheus with `prometheus_collector()` (prometheus-client is imported only then)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ReceiverMetrics:
+    """Counters of one EncoderReceiver (or several sharing it); safe to read from another thread.
+
+    The receiver records requests, items and shard failures itself. `retry` and `failover` are for
+    the code that re-sends a failed shard: a retry is another attempt on the same encoder, a
+    failover moves the shard to another encoder.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: Counter[str] = Counter()  # by outcome: "ok" or "error"
+        self.items_by_encoder: Counter[str] = Counter()
+        self.tokens_by_encoder: Counter[str] = Counter()
+        self.shard_failures: Counter[tuple[str, str]] = Counter()  # by (encoder URL, status code name)
+        self.retries: Counter[str] = Counter()  # by encoder URL retried
+        self.failovers: Counter[tuple[str, str]] = Counter()  # by (from URL, to URL)
+        self.resolutions: Counter[str] = Counter()  # by outcome: "ok" or "error"
+        self.latency_buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)  # the last one is +Inf
+        self.latency_sum_s = 0.0
+
+    def request_done(self, seconds: float, items: list[Any] | None) -> None:
+        """One `encode` call ended: with its ItemResults, or None when it raised."""
+        with self._lock:
+            self.requests["ok" if items is not None else "error"] += 1
+            self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+            self.latency_sum_s += seconds
+            for item in items or ():
+                if item.encoder_url is not None:
+                    self.items_by_encoder[item.encoder_url] += 1
+                    self.tokens_by_encoder[item.encoder_url] += item.num_tokens
+
+    def shard_failed(self, encoder_url: str, code_name: str) -> None:
+        with self._lock:
+            self.shard_failures[(encoder_url, code_name)] += 1
+
+    def retry(self, encoder_url: str) -> None:
+        with self._lock:
+            self.retries[encoder_url] += 1
+
+    def failover(self, from_url: str, to_url: str) -> None:
+        with self._lock:
+            self.failovers[(from_url, to_url)] += 1
+
+    def resolved(self, ok: bool) -> None:
+        with self._lock:
+            self.resolutions["ok" if ok else "error"] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of every counter, as plain dicts (tuple keys joined with ' -> ' or ' ')."""
+        with self._lock:
+            return {
+                "requests": dict(self.requests),
+                "items_by_encoder": dict(self.items_by_encoder),
+                "tokens_by_encoder": dict(self.tokens_by_encoder),
+                "shard_failures": {f"{url} {code}": n for (url, code), n in self.shard_failures.items()},
+                "retries": dict(self.retries),
+                "failovers": {f"{a} -> {b}": n for (a, b), n in self.failovers.items()},
+                "resolutions": dict(self.resolutions),
+                "latency_count": sum(self.latency_buckets),
+                "latency_sum_s": self.latency_sum_s,
+            }
+
+    def prometheus_collector(self):
+        """A prometheus_client Collector exposing these counters; register it in any registry."""
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.registry import Collector
+
+        metrics = self
+
+        class _ReceiverCollector(Collector):
+            def collect(self) -> Iterator:
+                with metrics._lock:
+                    families = []
+                    for name, documentation, labels, counts in metrics._counter_table():
+                        family = CounterMetricFamily(f"encoder_receiver_{name}", documentation, labels=labels)
+                        for key, count in counts.items():
+                            family.add_metric(list(key) if isinstance(key, tuple) else [key], count)
+                        families.append(family)
+                    bounds = [*map(str, LATENCY_BUCKETS_S), "+Inf"]
+                    cumulative = list(itertools.accumulate(metrics.latency_buckets))
+                    families.append(
+                        HistogramMetricFamily(
+                            "encoder_receiver_request_seconds",
+                            "encode call latency",
+                            buckets=list(zip(bounds, cumulative)),
+                            sum_value=metrics.latency_sum_s,
+                        )
+                    )
+                yield from families
+
+        return _ReceiverCollector()
+
+    def _counter_table(self) -> list[tuple[str, str, list[str], Counter]]:
+        return [
+            ("requests", "encode calls by outcome", ["outcome"], self.requests),
+            ("items", "items received, by encoder", ["encoder"], self.items_by_encoder),
+            ("tokens", "embedding rows received, by encoder", ["encoder"], self.tokens_by_encoder),
+            ("shard_failures", "failed shards, by encoder and status code", ["encoder", "code"], self.shard_failures),
+            ("retries", "shards retried on the same encoder", ["encoder"], self.retries),
+            ("failovers", "shards moved to another encoder", ["from_encoder", "to_encoder"], self.failovers),
+            ("resolutions", "DNS resolutions of encoder names, by outcome", ["outcome"], self.resolutions),
+        ]

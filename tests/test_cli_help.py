@@ -1,0 +1,132 @@
+"""Every flag of every command: documented in --help with its default and environment variable, and
+that variable really sets it."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from encoder_server import cli, client_cli
+from tests.support import REPO_ROOT
+
+# command -> (module, parser builder, env prefix, arguments a valid command line needs)
+COMMANDS = {
+    "encoder-server": ("encoder_server", cli.build_parser, "ENCODER_", []),  # --model: from ENCODER_MODEL below
+    "encoder-client": ("encoder_server.client_cli", client_cli.build_parser, "ENCODER_CLIENT_", ["cat.png"]),
+}
+
+
+def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def env_name(prefix: str, action: argparse.Action) -> str:
+    long_name = next(o for o in action.option_strings if o.startswith("--"))
+    return prefix + long_name[2:].upper().replace("-", "_")
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """--help's options section: each option's whole entry, whitespace collapsed."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        match = re.match(r"^  (--[\w-]+)", line)
+        if match:
+            current = match.group(1)
+            entries[current] = ""
+        elif not line.startswith("   "):
+            current = None
+        if current:
+            entries[current] += " " + line.strip()
+    return {flag: " ".join(entry.split()) for flag, entry in entries.items()}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_documents_every_flag_with_its_default_and_env_var(command):
+    module, build, prefix, _ = COMMANDS[command]
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: {command} ")
+    entries = help_entries(done.stdout)
+    parser = build()
+    flags = options(parser)
+    assert len(flags) >= 5
+    for action in flags:
+        entry = entries.get(action.option_strings[-1])
+        assert entry is not None, f"{command} --help does not list {action.option_strings}"
+        default = action.default
+        assert f"[env {env_name(prefix, action)}; default: {default}]" in entry, entry
+        assert entry.split(" [env")[0].split(maxsplit=1)[-1], f"{action.option_strings} has no description"
+
+
+def sample_value(action: argparse.Action) -> tuple[str, object]:
+    """An environment value different from the flag's default, and what it should parse to."""
+    if isinstance(action, argparse._StoreTrueAction):
+        return "true", True
+    if action.choices:
+        choice = next(c for c in action.choices if c != action.default)
+        return choice, choice
+    if action.type is int:
+        return "7", 7
+    if action.type is float:
+        return "2.5", 2.5
+    if action.type is cli.port_or_off:
+        return "9100", 9100
+    assert action.type is None, f"add a sample for {action.option_strings} (type {action.type})"
+    return "from-env", "from-env"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_flag_reads_its_environment_variable(command, monkeypatch):
+    _, build, prefix, required_args = COMMANDS[command]
+    actions = options(build())
+    for action in actions:
+        monkeypatch.delenv(env_name(prefix, action), raising=False)
+    monkeypatch.setenv("ENCODER_MODEL", "/models/base")
+    defaults = vars(build().parse_args(required_args))
+    for action in actions:
+        raw, expected = sample_value(action)
+        with monkeypatch.context() as env:
+            env.setenv(env_name(prefix, action), raw)
+            parsed = vars(build().parse_args(required_args))
+        assert parsed[action.dest] == expected != defaults[action.dest], action.option_strings
+        # ...and the command line still wins over the environment.
+        if not isinstance(action, argparse._StoreTrueAction) and defaults[action.dest] is not None:
+            with monkeypatch.context() as env:
+                env.setenv(env_name(prefix, action), raw)
+                flag = [action.option_strings[-1], str(defaults[action.dest])]
+                parsed = vars(build().parse_args([*required_args, *flag]))
+            assert parsed[action.dest] == defaults[action.dest], action.option_strings
+
+
+def test_boolean_env_values(monkeypatch):
+    for raw, expected in [("1", True), ("yes", True), ("TRUE", True), ("0", False), ("false", False)]:
+        monkeypatch.setenv("ENCODER_NO_WARMUP", raw)
+        assert cli.build_parser().parse_args(["--model", "m"]).no_warmup is expected
+
+
+def test_model_may_come_from_the_environment_only(monkeypatch):
+    monkeypatch.delenv("ENCODER_MODEL", raising=False)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args([])
+    monkeypatch.setenv("ENCODER_MODEL", "/models/m")
+    assert cli.build_parser().parse_args([]).model == "/models/m"
+
+
+def test_metrics_port_accepts_off_and_ports_only():
+    assert cli.port_or_off("off") is None and cli.port_or_off("0") == 0 and cli.port_or_off("9000") == 9000
+    for bad in ("70000", "-1", "http"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            cli.port_or_off(bad)
+
+
+def test_console_scripts_point_at_the_commands():
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"encoder-server": "encoder_server.cli:main", "encoder-client": "encoder_server.client_cli:main"}
+    for command, (module, build, _, _) in COMMANDS.items():
+        assert build().prog == command
