@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from protos.data_uri import decode_data_uri
 from protos.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
 
 from . import __version__
@@ -23,6 +23,7 @@ from .batcher import Batcher, EncodedItem
 from .config import ServerConfig
 from .images import decode_image
 from .models import ModelSpec, PreparedImage, VisionEncoder
+from .sources import item_bytes
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,26 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
     )
 
 
+def parse_request(raw: bytes) -> pb.EncodeRequest:
+    """Parses an Encode request, refusing bytes that are not one and fields this server does not know.
+
+    Unknown fields are refused rather than skipped: a newer receiver's field may change what the
+    embedding should be, and an embedding silently computed without it would be wrong.
+    """
+    try:
+        request = pb.EncodeRequest.FromString(raw)
+    except DecodeError:
+        raise InvalidItemError(f"request is not a valid {pb.EncodeRequest.DESCRIPTOR.full_name} message") from None
+    unknown = [field.field_number for field in UnknownFieldSet(request)]
+    if unknown:
+        raise InvalidItemError(f"request has fields unknown to this server: numbers {sorted(set(unknown))}")
+    for item in request.items:
+        unknown = [field.field_number for field in UnknownFieldSet(item)]
+        if unknown:
+            raise InvalidItemError(f"item {item.index}: fields unknown to this server: numbers {sorted(set(unknown))}")
+    return request
+
+
 def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
     """Refuses a request whose shape is wrong before any of its items is decoded."""
     non_image = [pb.Modality.Name(item.modality).lower() for item in request.items if item.modality != pb.IMAGE]
@@ -60,6 +81,9 @@ def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
     indices = [item.index for item in request.items]
     if len(set(indices)) != len(indices):
         raise InvalidItemError(f"request repeats item indices: {indices}")
+    size = request.ByteSize()
+    if size > config.max_request_bytes:
+        raise InvalidItemError(f"request is {size} bytes, over the limit of {config.max_request_bytes}")
 
 
 def _maps_errors(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
@@ -73,7 +97,7 @@ def _maps_errors(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIte
         except EncoderError as exc:
             await context.abort(status_for(exc), str(exc))
         except Exception:
-            log.exception("request %r failed", request.request_id)
+            log.exception("request %r failed", getattr(request, "request_id", "?"))
             await context.abort(grpc.StatusCode.INTERNAL, "internal error while encoding; see the server log")
 
     return wrapper
@@ -98,8 +122,9 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         return self.info
 
     @_maps_errors
-    async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
+    async def Encode(self, request: pb.EncodeRequest | bytes, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
         started = time.perf_counter()
+        request = parse_request(request) if isinstance(request, bytes) else request
         check_request(request, self.config)
         loop = asyncio.get_running_loop()
         prepared = await asyncio.gather(
@@ -126,26 +151,16 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     def _prepare(self, item: pb.ImageItem) -> PreparedImage:
         """Bytes to pixel values, on a preprocessing thread. Errors name the item."""
         try:
-            data = self._item_bytes(item)
-            image = decode_image(data, max_pixels=self.config.max_image_pixels)
-            return self.encoder.preprocess(image)
+            data = item_bytes(item, self.config.sources)
+            image = decode_image(
+                data, max_pixels=self.config.max_image_pixels, max_aspect_ratio=self.config.max_aspect_ratio
+            )
+            try:
+                return self.encoder.preprocess(image)
+            except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
+                raise InvalidItemError(f"the image processor refused it: {exc}") from None
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
-
-    def _item_bytes(self, item: pb.ImageItem) -> bytes:
-        source = item.WhichOneof("source")
-        if source == "data":
-            data = item.data
-        elif source == "url":
-            if not item.url.startswith("data:"):
-                scheme = item.url.split(":", 1)[0]
-                raise InvalidItemError(f"unsupported URL scheme {scheme!r}: this server accepts data: URIs")
-            data = decode_data_uri(item.url)
-        else:
-            raise InvalidItemError("item has neither data nor url")
-        if item.content_sha256 and hashlib.sha256(data).digest() != item.content_sha256:
-            raise InvalidItemError("content_sha256 does not match the item's bytes")
-        return data
 
     def _item_messages(self, index: int, prep: PreparedImage, encoded: EncodedItem, preprocess_ms: float):
         output = encoded.output
@@ -172,14 +187,16 @@ def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         service,
         {
+            # Requests arrive as bytes and are parsed inside the call, so that undecodable bytes get
+            # INVALID_ARGUMENT instead of gRPC's INTERNAL for a failing deserializer.
             "Encode": grpc.unary_stream_rpc_method_handler(
                 servicer.Encode,
-                request_deserializer=pb.EncodeRequest.FromString,
+                request_deserializer=None,
                 response_serializer=wire.serialize_response,
             ),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 servicer.GetModelInfo,
-                request_deserializer=pb.GetModelInfoRequest.FromString,
+                request_deserializer=None,  # an empty message: nothing to read
                 response_serializer=pb.ModelInfo.SerializeToString,
             ),
         },

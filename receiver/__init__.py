@@ -12,17 +12,23 @@ from protos.errors import (
     UnsupportedModalityError,
 )
 
+from .channels import ClientTls
 from .client import EncoderReceiver
-from .errors import ShardError
+from .errors import EncodeFailedError, ItemAttempt, ShardError
+from .health import FailoverPolicy
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
 
 __all__ = [
+    "ClientTls",
     "DeadlineExceededError",
+    "EncodeFailedError",
     "EncodeResult",
     "EncoderError",
     "EncoderReceiver",
+    "FailoverPolicy",
     "InvalidItemError",
+    "ItemAttempt",
     "ItemResult",
     "OverloadedError",
     "Shard",

@@ -1,0 +1,98 @@
+"""What the receiver believes about each encoder: healthy, or failed and backing off until a
+grpc.health.v1 probe says SERVING again; and the failover settings that drive it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .channels import EncoderEndpoint
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailoverPolicy:
+    max_attempts: int = 4  # Encode calls one item may fail in before its request fails
+    stall_timeout_s: float = 5.0  # silence on a stream after which the encoder is probed
+    probe_timeout_s: float = 1.0  # a health probe without an answer by then counts as failed
+    backoff_s: float = 1.0  # how long a failed encoder is skipped; doubles with each further failure
+    max_backoff_s: float = 30.0
+    busy_backoff_s: float = 0.05  # first wait before re-sending items an encoder refused as overloaded; doubles
+
+
+class EncoderHealth:
+    """One encoder's state. A failure benches it for a jittered, doubling back-off; after that a
+    probe, not a request, finds out whether it is back."""
+
+    def __init__(self, endpoint: EncoderEndpoint, policy: FailoverPolicy):
+        self.endpoint = endpoint
+        self.policy = policy
+        self.healthy = True
+        self.failures = 0  # consecutive
+        self.retry_at = 0.0  # time.monotonic() after which a probe may bring it back
+        self.last_error = ""
+        self._probe: asyncio.Task | None = None
+        self._jitter = random.Random()
+
+    def mark_failed(self, reason: str) -> None:
+        self.failures += 1
+        self.healthy = False
+        self.last_error = reason
+        delay = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (self.failures - 1))
+        self.retry_at = time.monotonic() + delay * self._jitter.uniform(0.8, 1.2)
+
+    def mark_healthy(self) -> None:
+        self.healthy = True
+        self.failures = 0
+
+    def probe(self, timeout: float) -> asyncio.Task:
+        """Starts a health probe, or joins the one already running; its result is whether it is healthy now."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._run_probe(timeout))
+        return self._probe
+
+    async def _run_probe(self, timeout: float) -> bool:
+        if await self.endpoint.is_serving(timeout):
+            self.mark_healthy()
+        else:
+            self.mark_failed("health probe: no SERVING answer")
+        return self.healthy
+
+
+class EncoderPool:
+    """The receiver's encoders and their health, shared by all of its requests."""
+
+    def __init__(self, endpoints: Sequence[EncoderEndpoint], policy: FailoverPolicy):
+        self.policy = policy
+        self.health = [EncoderHealth(endpoint, policy) for endpoint in endpoints]
+
+    async def usable(self, exclude: set[int], deadline: float) -> list[int]:
+        """The encoders a request may send to now.
+
+        Benched encoders whose back-off is over are probed in the background and rejoin once
+        SERVING; the request waits for those probes only when it has no healthy encoder at all,
+        and then probes every encoder it has not excluded, back-off or not.
+        """
+        now = time.monotonic()
+        candidates = [i for i in range(len(self.health)) if i not in exclude]
+        ready = [i for i in candidates if self.health[i].healthy]
+        benched = [i for i in candidates if not self.health[i].healthy]
+        timeout = max(0.0, min(self.policy.probe_timeout_s, deadline - now))
+        due = [i for i in benched if now >= self.health[i].retry_at]
+        if ready:
+            for i in due:
+                self.health[i].probe(timeout)
+            return ready
+        if not benched or timeout <= 0:
+            return []
+        # Shielded: a probe is shared with other requests, and this one being cancelled must not cancel it.
+        probes = await asyncio.gather(*(asyncio.shield(self.health[i].probe(timeout)) for i in benched))
+        return [i for i, ok in zip(benched, probes) if ok]
+
+    def mark_failed(self, encoder: int, reason: str) -> None:
+        self.health[encoder].mark_failed(reason)
+
+    def mark_healthy(self, encoder: int) -> None:
+        self.health[encoder].mark_healthy()
