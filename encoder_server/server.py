@@ -54,7 +54,7 @@ class EncoderServer:
     async def start(self) -> int:
         config = self.config
         loop = asyncio.get_running_loop()
-        # SERVING only once the model is loaded and a warm-up forward passed (the servicer starts SERVING).
+        # SERVING only once the model is loaded, a warm-up forward passed and the port is bound.
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if config.auth_token_file:
@@ -73,7 +73,12 @@ class EncoderServer:
         self._batcher = Batcher(self.encoder, config.batching)
         self._batcher.start()
         if config.warmup:
-            await loop.run_in_executor(None, self._warmup)
+            try:
+                await loop.run_in_executor(None, self._warmup)
+            except BaseException:
+                self._stopping = True
+                await loop.run_in_executor(None, self._batcher.stop)
+                raise
         threading.Thread(target=self._watch_forward_worker, args=(loop,), name="forward-watch", daemon=True).start()
 
         self._server = grpc.aio.server(

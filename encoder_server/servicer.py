@@ -16,7 +16,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from protos.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
+from protos.errors import EncoderError, InvalidItemError, OverloadedError, UnsupportedModalityError, status_for
 
 from . import __version__
 from .batcher import Batcher, EncodedItem
@@ -117,6 +117,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.preprocess_pool = preprocess_pool
         self.config = config
         self.info = model_info(encoder.spec, config, random_weights)
+        self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.info
@@ -126,10 +127,15 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         started = time.perf_counter()
         request = parse_request(request) if isinstance(request, bytes) else request
         check_request(request, self.config)
+        self._admit(len(request.items))
         loop = asyncio.get_running_loop()
-        prepared = await asyncio.gather(
-            *(loop.run_in_executor(self.preprocess_pool, self._prepare, item) for item in request.items)
-        )
+        self._preprocessing += len(request.items)
+        try:
+            prepared = await asyncio.gather(
+                *(loop.run_in_executor(self.preprocess_pool, self._prepare, item) for item in request.items)
+            )
+        finally:
+            self._preprocessing -= len(request.items)
         preprocess_ms = (time.perf_counter() - started) * 1000
         futures = self.batcher.submit(prepared)
         try:
@@ -147,6 +153,16 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             sum(p.num_tokens for p in prepared),
             (time.perf_counter() - started) * 1000,
         )
+
+    def _admit(self, count: int) -> None:
+        """Refuses a call before preprocessing when its items would not fit beside the queued and the
+        preprocessing ones: under overload, refusals come at once instead of after decoding."""
+        limit = self.batcher.config.max_queue_items
+        waiting = self.batcher.queue_depth + self._preprocessing
+        if waiting + count > limit:
+            raise OverloadedError(
+                f"encoder queue is full ({waiting} items queued or preprocessing, {count} more asked; limit {limit})"
+            )
 
     def _prepare(self, item: pb.ImageItem) -> PreparedImage:
         """Bytes to pixel values, on a preprocessing thread. Errors name the item."""

@@ -93,6 +93,8 @@ def fetch_http(url: str, *, max_bytes: int, timeout_s: float) -> bytes:
             if received > max_bytes:
                 raise InvalidItemError(f"{shown} is over the limit of {max_bytes} bytes")
             return b"".join(parts)
+    except InvalidItemError:
+        raise
     except urllib.error.HTTPError as exc:
         raise InvalidItemError(f"fetching {shown} failed: HTTP {exc.code}") from None
     except (socket.timeout, TimeoutError):

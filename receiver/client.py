@@ -134,15 +134,20 @@ class EncoderReceiver:
         num_items_assigned: Sequence[int] | None,
         deadline: float,
     ) -> dict[int, ItemResult]:
-        """Places items on encoders, and re-places those of every failed shard, until all are done."""
+        """Places items on encoders, and re-places those of every failed shard, until all are done.
+
+        Items an encoder refused as overloaded wait out a jittered back-off that doubles with each of
+        their attempts, on a timer, while the other shards go on; meanwhile that encoder is avoided
+        where another can take them.
+        """
         results: dict[int, ItemResult] = {}
         attempts: dict[int, list[ItemAttempt]] = {source.index: [] for source in sources}
         excluded: set[int] = set()  # encoders that failed this request
-        avoid: set[int] = set()  # encoders that just said they were overloaded
-        running: dict[asyncio.Task, int] = {}
+        busy_until: dict[int, float] = {}  # encoders that said they were overloaded, and until when to avoid them
+        running: dict[asyncio.Task, int | None] = {}  # shard calls by encoder; back-off timers by None
         to_place = [source.index for source in sources]
         assigned = num_items_assigned
-        busy_rounds = 0
+        last_error: ShardError | None = None
 
         def fail(code: grpc.StatusCode, reason: str, encoder_url: str = "") -> EncodeFailedError:
             return EncodeFailedError(
@@ -158,21 +163,27 @@ class EncoderReceiver:
             while True:
                 if to_place:
                     encoders = await self._pool.usable(excluded, deadline)
-                    if set(encoders) - avoid:
-                        encoders = [e for e in encoders if e not in avoid]
+                    now = time.monotonic()
+                    idle = [e for e in encoders if busy_until.get(e, 0.0) <= now]
+                    encoders = idle or encoders
                     if not encoders:
-                        raise fail(grpc.StatusCode.UNAVAILABLE, "no healthy encoder is left to send the items to")
+                        if last_error is None:
+                            raise fail(grpc.StatusCode.UNAVAILABLE, "no encoder is healthy")
+                        raise fail(
+                            last_error.code or grpc.StatusCode.INTERNAL,
+                            "every encoder failed or is unhealthy",
+                            last_error.encoder_url,
+                        )
                     if assigned is not None and len(encoders) != len(self._endpoints):
                         assigned = None  # the fixed counts name encoders that cannot take them now
-                    shards = plan_shards(len(to_place), len(encoders), self._rng, assigned)
-                    for shard in shards:
+                    for shard in plan_shards(len(to_place), len(encoders), self._rng, assigned):
                         encoder = encoders[shard.encoder]
                         indices = [to_place[i] for i in shard.items]
                         task = asyncio.create_task(
                             self._run_shard(request_id, encoder, indices, sources, results, attempts, deadline)
                         )
                         running[task] = encoder
-                    to_place, avoid, assigned = [], set(), None
+                    to_place, assigned = [], None
                 if not running:
                     return results
                 done, _ = await asyncio.wait(
@@ -180,26 +191,22 @@ class EncoderReceiver:
                 )
                 if not done:
                     raise fail(_DEADLINE, "the request's deadline passed")
-                busy = False
                 for task in done:
                     encoder = running.pop(task)
+                    if encoder is None:  # a back-off timer: its items are due again
+                        to_place.extend(task.result())
+                        continue
                     error = task.result()
                     if error is None:
                         self._pool.mark_healthy(encoder)
                         continue
+                    last_error = error
                     for index in error.item_indices:
                         attempts[index].append(ItemAttempt(error.encoder_url, error.status, error.message))
                     if _callers_fault(error):
-                        raise fail(error.code or _INVALID, "an item was refused as invalid", error.encoder_url)
+                        raise fail(_INVALID, "the request was refused as invalid", error.encoder_url)
                     if error.code == _DEADLINE:
                         raise fail(_DEADLINE, "the request's deadline passed", error.encoder_url)
-                    if error.code == _BUSY:
-                        busy = True
-                        avoid.add(encoder)  # overloaded is not broken: not benched for other requests
-                    else:
-                        excluded.add(encoder)
-                        self._pool.mark_failed(encoder, f"{error.status}: {error.message}")
-                        log.warning("request %s: %s; re-sharding its items", request_id, error)
                     exhausted = [i for i in error.item_indices if len(attempts[i]) >= self.failover.max_attempts]
                     if exhausted:
                         raise fail(
@@ -207,11 +214,17 @@ class EncoderReceiver:
                             f"items {exhausted} failed {self.failover.max_attempts} attempts",
                             error.encoder_url,
                         )
+                    if error.code == _BUSY:  # overloaded is not broken: not benched for other requests
+                        tries = max(len(attempts[i]) for i in error.item_indices)
+                        delay = self.failover.busy_backoff_s * 2 ** (tries - 1) * self._jitter.uniform(0.5, 1.5)
+                        delay = min(delay, max(0.0, deadline - time.monotonic()))
+                        busy_until[encoder] = time.monotonic() + delay
+                        running[asyncio.create_task(asyncio.sleep(delay, result=error.item_indices))] = None
+                        continue
+                    excluded.add(encoder)
+                    self._pool.mark_failed(encoder, f"{error.status}: {error.message}")
+                    log.warning("request %s: %s; re-sharding its items", request_id, error)
                     to_place.extend(error.item_indices)
-                if busy:
-                    delay = self.failover.busy_backoff_s * 2**busy_rounds * self._jitter.uniform(0.5, 1.5)
-                    busy_rounds += 1
-                    await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 to_place.sort()
         finally:
             for task in running:
