@@ -283,7 +283,7 @@ class EncoderReceiver:
             call.cancel()
             return shard_error(None, str(exc))
         except asyncio.CancelledError:
-            if watch.stalled:  # the watchdog cancelled the call, not someone this task
+            if watch.stalled:  # the watchdog cancelled the call; nobody cancelled this task
                 return shard_error(grpc.StatusCode.UNAVAILABLE, watch.reason)
             raise
         finally:

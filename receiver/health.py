@@ -14,12 +14,14 @@ from .channels import EncoderEndpoint
 
 @dataclass(frozen=True, kw_only=True)
 class FailoverPolicy:
-    max_attempts: int = 4  # Encode calls one item may fail in before its request fails
+    max_attempts: int = 6  # Encode calls one item may fail in before its request fails
     stall_timeout_s: float = 5.0  # silence on a stream after which the encoder is probed
     probe_timeout_s: float = 1.0  # a health probe without an answer by then counts as failed
     backoff_s: float = 1.0  # how long a failed encoder is skipped; doubles with each further failure
     max_backoff_s: float = 30.0
-    busy_backoff_s: float = 0.05  # first wait before re-sending items an encoder refused as overloaded; doubles
+    # First wait before re-sending items an encoder refused as overloaded; doubles per attempt, so
+    # an item gives up on a fleet that stays overloaded after ~3 s of back-off (0.1 + ... + 1.6).
+    busy_backoff_s: float = 0.1
 
 
 class EncoderHealth:
