@@ -71,6 +71,10 @@ class Batcher:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
+    def join(self, timeout: float | None = None) -> None:
+        """Waits for the forward thread to end (it ends on `stop()`, or when it dies)."""
+        self._thread.join(timeout)
+
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
@@ -150,6 +154,10 @@ class Batcher:
             for p in batch:
                 _resolve(p.future, exception=exc)
             return
+        except BaseException:  # the worker dies: its batch must not wait forever
+            for p in batch:
+                _resolve(p.future, exception=UnavailableError("the encoder's forward worker died"))
+            raise
         forward_ms = (time.perf_counter() - start) * 1000
         for p, output in zip(batch, outputs):
             queue_ms = (start - p.enqueued) * 1000

@@ -32,6 +32,8 @@ class _EnvDefaults(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
+
     p = _EnvDefaults(prog="encoder-server", description="Serve a VLM's vision tower over gRPC.")
     p.add_argument("--model", required="ENCODER_MODEL" not in os.environ, help="checkpoint directory (Hugging Face layout)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on ('::' for all IPv6)")
@@ -46,7 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preprocess-workers", type=int, default=4, help="threads decoding and preprocessing images")
     p.add_argument("--max-items-per-request", type=int, default=64, help="items one Encode call may carry")
     p.add_argument("--max-request-bytes", type=int, default=256 << 20, help="largest Encode request accepted")
-    p.add_argument("--max-image-pixels", type=int, default=16384 * 16384, help="refuse larger images before decoding")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, help="refuse larger images before decoding")
+    p.add_argument("--max-aspect-ratio", type=float, default=DEFAULT_MAX_ASPECT_RATIO, help="refuse images thinner than 1:N before decoding")
+    p.add_argument("--allow-file-root", default=None, help="directory file:// item URLs may read from (default: file:// refused)")
+    p.add_argument("--allow-http", action="store_true", help="fetch http(s):// item URLs (off: server-side request forgery)")
+    p.add_argument("--max-fetch-bytes", type=int, default=32 << 20, help="largest file:// or http(s) item accepted")
+    p.add_argument("--fetch-timeout-s", type=float, default=10.0, help="time limit of one http(s) item download")
+    p.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve TLS (with --tls-key-file)")
+    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument("--tls-client-ca-file", default=None, help="PEM CA: require client certificates it signed (mTLS)")
+    p.add_argument("--auth-token-file", default=None, help="file of bearer tokens, one per line: calls must carry one")
+    p.add_argument("--auth-protect-health", action="store_true", help="require the token on health probes too")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time for running calls on SIGTERM")
     p.add_argument(
         "--metrics-port", type=port_or_off, default="off", help="HTTP port of Prometheus /metrics ('off': none, 0: any free port)"
@@ -102,6 +114,13 @@ def main(argv: list[str] | None = None) -> None:
     from .batcher import BatchingConfig
     from .config import ServerConfig
     from .server import serve
+    from .sources import SourcePolicy
+    from .tls import TlsConfig
+
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise SystemExit("encoder-server: --tls-cert-file and --tls-key-file go together")
+    if args.tls_client_ca_file and not args.tls_cert_file:
+        raise SystemExit("encoder-server: --tls-client-ca-file needs --tls-cert-file and --tls-key-file")
 
     config = ServerConfig(
         model=args.model,
@@ -123,6 +142,18 @@ def main(argv: list[str] | None = None) -> None:
         grace_seconds=float(args.grace_seconds),
         metrics_port=args.metrics_port,
         warmup=not args.no_warmup,
+        max_aspect_ratio=float(args.max_aspect_ratio),
+        sources=SourcePolicy(
+            file_root=args.allow_file_root,
+            allow_http=bool(args.allow_http),
+            max_fetch_bytes=int(args.max_fetch_bytes),
+            fetch_timeout_s=float(args.fetch_timeout_s),
+        ),
+        tls=TlsConfig(cert_file=args.tls_cert_file, key_file=args.tls_key_file, client_ca_file=args.tls_client_ca_file)
+        if args.tls_cert_file
+        else None,
+        auth_token_file=args.auth_token_file,
+        auth_protect_health=bool(args.auth_protect_health),
     )
     try:
         asyncio.run(serve(config))

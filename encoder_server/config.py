@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .batcher import BatchingConfig
-from .images import DEFAULT_MAX_IMAGE_PIXELS
+from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
+from .sources import SourcePolicy
+from .tls import TlsConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,3 +27,8 @@ class ServerConfig:
     grace_seconds: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: not served
     warmup: bool = True
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO
+    sources: SourcePolicy = field(default_factory=SourcePolicy)
+    tls: TlsConfig | None = None
+    auth_token_file: str | None = None  # one token per line; None: no authentication
+    auth_protect_health: bool = False  # also require the token on grpc.health.v1 probes

@@ -3,44 +3,60 @@
 from __future__ import annotations
 
 import io
-import warnings
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from protos.errors import InvalidItemError
 
-# Refuse images above this many pixels before decoding (decompression bombs); ~16k x 16k.
-DEFAULT_MAX_IMAGE_PIXELS = 16384 * 16384
+# Refuse images above this many pixels before decoding (decompression bombs). Pillow's own
+# threshold (~89.5M pixels, 9459 x 9459): up to it Pillow stays silent, and it refuses anything
+# over twice it by itself, so a configured limit above ~179M pixels has no effect.
+DEFAULT_MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS
+# Longest side over shortest side. Qwen2-VL's processor refuses more than 200; for families that
+# resize the shortest side up (CLIP), a thin strip would become a huge image.
+DEFAULT_MAX_ASPECT_RATIO = 200.0
 
 
-def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
-    """Decodes an encoded image file into RGB; animated images give their first frame.
+def decode_image(
+    data: bytes,
+    *,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+) -> Image.Image:
+    """Decodes an encoded image file into RGB. Animated images (GIF, APNG, WebP) give their first frame.
 
-    Raises InvalidItemError for empty, truncated, oversized or non-image input.
+    Raises InvalidItemError for empty, truncated, oversized, too thin or non-image input; the
+    size and shape checks read only the file's header.
     """
     if not data:
         raise InvalidItemError("empty image bytes")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > max_pixels:
-                raise InvalidItemError(
-                    f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
-                )
-            image.seek(0)
-            image.load()
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > max_pixels:
+            raise InvalidItemError(
+                f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
+            )
+        if width < 1 or height < 1:
+            raise InvalidItemError(f"image is {width}x{height}")
+        ratio = max(width, height) / min(width, height)
+        if ratio > max_aspect_ratio:
+            raise InvalidItemError(
+                f"image is {width}x{height}, an aspect ratio of {ratio:.0f}:1, over the limit of {max_aspect_ratio:g}:1"
+            )
+        image.seek(0)
+        image.load()
+        return _to_rgb(image)
     except InvalidItemError:
         raise
     except UnidentifiedImageError:
         raise InvalidItemError("bytes are not an image file of a known format") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidItemError(f"image is too large to decode: {exc}") from None
-    except (OSError, SyntaxError, ValueError) as exc:
-        raise InvalidItemError(f"image could not be decoded: {exc}") from None
-    return _to_rgb(image)
+    except Image.DecompressionBombError:
+        limit = min(max_pixels, 2 * Image.MAX_IMAGE_PIXELS)
+        raise InvalidItemError(f"image is over the limit of {limit} pixels (refused while reading its header)") from None
+    except Exception as exc:  # any failure on untrusted bytes is the input's fault, not the server's
+        raise InvalidItemError(f"image could not be decoded: {exc.__class__.__name__}: {exc}") from None
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -50,7 +66,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         # 16-bit (or wider) grayscale: scale to 8 bits rather than clip at 255.
         values = np.asarray(image, dtype=np.float32)
         full_scale = 65535.0 if image.mode.startswith("I;16") else max(float(values.max()), 1.0)
-        image = Image.fromarray((values * (255.0 / full_scale)).clip(0, 255).astype(np.uint8), "L")
+        image = Image.fromarray(np.rint(values * (255.0 / full_scale)).clip(0, 255).astype(np.uint8), "L")
     if "A" in image.getbands() or image.mode == "P" and "transparency" in image.info:
         # Composite on white, as a viewer shows it, rather than exposing undefined colour under alpha.
         rgba = image.convert("RGBA")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -14,9 +16,11 @@ from PIL import Image
 
 from protos import encoder_pb2 as pb
 
+from .auth import BearerTokenInterceptor, read_token_file
 from .batcher import Batcher
 from .config import ServerConfig
 from .default_model import has_random_weights
+from .interceptors import DrainGate
 from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
 from .servicer import EncoderServicer, method_handlers
@@ -24,6 +28,9 @@ from .servicer import EncoderServicer, method_handlers
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
+# Over the servicer's own limit, so that requests a little too large get its INVALID_ARGUMENT that
+# names the limit; far larger ones get gRPC's RESOURCE_EXHAUSTED "Received message larger than max".
+REQUEST_SIZE_MARGIN = 1 << 20
 
 
 class EncoderServer:
@@ -36,9 +43,11 @@ class EncoderServer:
         self.metrics = ServerMetrics()
         self.metrics_port: int | None = None
         self.health = health.aio.HealthServicer()
+        self.gate = DrainGate()
         self._server: grpc.aio.Server | None = None
         self._batcher: Batcher | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._stopping = False
 
     @property
     def address(self) -> str:
@@ -47,6 +56,14 @@ class EncoderServer:
     async def start(self) -> int:
         config = self.config
         loop = asyncio.get_running_loop()
+        # SERVING only once the model is loaded, a warm-up forward passed and the port is bound.
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if config.auth_token_file:
+            interceptors.append(
+                BearerTokenInterceptor(read_token_file(config.auth_token_file), protect_health=config.auth_protect_health)
+            )
+        interceptors.append(self.gate)
         if self.encoder is None:
             self.encoder = await loop.run_in_executor(
                 None, load_vision_encoder, config.model, config.device, config.dtype
@@ -59,13 +76,20 @@ class EncoderServer:
         self.metrics.watch_queue(lambda: self._batcher.queue_depth)
         self._batcher.start()
         if config.warmup:
-            await loop.run_in_executor(None, self._warmup)
+            try:
+                await loop.run_in_executor(None, self._warmup)
+            except BaseException:
+                self._stopping = True
+                await loop.run_in_executor(None, self._batcher.stop)
+                raise
+        threading.Thread(target=self._watch_forward_worker, args=(loop,), name="forward-watch", daemon=True).start()
 
         self._server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
-                ("grpc.max_receive_message_length", config.max_request_bytes),
+                ("grpc.max_receive_message_length", config.max_request_bytes + REQUEST_SIZE_MARGIN),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights, self.metrics)
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
@@ -74,22 +98,27 @@ class EncoderServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server,
         )
-        self.port = self._server.add_insecure_port(f"{_bind_host(config.host)}:{config.port}")
+        bind = f"{_bind_host(config.host)}:{config.port}"
+        if config.tls is not None:
+            self.port = self._server.add_secure_port(bind, config.tls.server_credentials())
+        else:
+            self.port = self._server.add_insecure_port(bind)
         await self._server.start()
         if config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
             log.info("metrics on http://%s/metrics", _join_host_port(config.host, self.metrics_port))
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         spec = self.encoder.spec
         log.info(
-            "encoder server ready on %s: %s (%s, hidden %d, %s on %s)",
+            "encoder server ready on %s: %s (%s, hidden %d, %s on %s; %s%s)",
             self.address,
             config.model,
             spec.family,
             spec.hidden_size,
             str(spec.dtype).removeprefix("torch."),
             spec.device,
+            "plaintext" if config.tls is None else ("mTLS" if config.tls.mutual else "TLS"),
+            ", bearer token" if config.auth_token_file else "",
         )
         return self.port
 
@@ -99,11 +128,34 @@ class EncoderServer:
         prepared = self.encoder.preprocess(Image.new("RGB", (64, 64), (127, 127, 127)))
         self.encoder.encode([prepared])
 
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    def _watch_forward_worker(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Turns health NOT_SERVING when the forward worker dies: the server can no longer encode."""
+        assert self._batcher is not None
+        self._batcher.join()
+        if self._stopping:
+            return
+        log.error("the forward worker died: health is NOT_SERVING")
+        try:
+            asyncio.run_coroutine_threadsafe(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING), loop)
+        except RuntimeError:  # the event loop is already closed
+            pass
+
     async def stop(self, grace: float | None = None) -> None:
-        """Flips health to NOT_SERVING, lets running calls finish within the grace period, then stops."""
+        """Drains: health NOT_SERVING and new calls refused with UNAVAILABLE at once, running calls
+        finish within the grace period (then are cancelled), then the server stops."""
+        grace = self.config.grace_seconds if grace is None else grace
+        deadline = time.monotonic() + grace
+        self._stopping = True
+        self.gate.close()
         await self.health.enter_graceful_shutdown()
+        if not await self.gate.wait_idle(grace):
+            log.warning("%d calls still running after the %.1f s grace period: cancelling them", self.gate.running, grace)
         if self._server is not None:
-            await self._server.stop(self.config.grace_seconds if grace is None else grace)
+            await self._server.stop(max(0.0, deadline - time.monotonic()))
         if self._batcher is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._batcher.stop)
         if self._pool is not None:

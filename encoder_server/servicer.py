@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from protos.data_uri import decode_data_uri
-from protos.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
+from protos.errors import EncoderError, InvalidItemError, OverloadedError, UnsupportedModalityError, status_for
 
 from . import __version__
 from .batcher import Batcher, EncodedItem
@@ -24,6 +24,7 @@ from .config import ServerConfig
 from .images import decode_image
 from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
+from .sources import item_bytes
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,26 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
     )
 
 
+def parse_request(raw: bytes) -> pb.EncodeRequest:
+    """Parses an Encode request, refusing bytes that are not one and fields this server does not know.
+
+    Unknown fields are refused rather than skipped: a newer receiver's field may change what the
+    embedding should be, and an embedding silently computed without it would be wrong.
+    """
+    try:
+        request = pb.EncodeRequest.FromString(raw)
+    except DecodeError:
+        raise InvalidItemError(f"request is not a valid {pb.EncodeRequest.DESCRIPTOR.full_name} message") from None
+    unknown = [field.field_number for field in UnknownFieldSet(request)]
+    if unknown:
+        raise InvalidItemError(f"request has fields unknown to this server: numbers {sorted(set(unknown))}")
+    for item in request.items:
+        unknown = [field.field_number for field in UnknownFieldSet(item)]
+        if unknown:
+            raise InvalidItemError(f"item {item.index}: fields unknown to this server: numbers {sorted(set(unknown))}")
+    return request
+
+
 def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
     """Refuses a request whose shape is wrong before any of its items is decoded."""
     non_image = [pb.Modality.Name(item.modality).lower() for item in request.items if item.modality != pb.IMAGE]
@@ -61,20 +82,25 @@ def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
     indices = [item.index for item in request.items]
     if len(set(indices)) != len(indices):
         raise InvalidItemError(f"request repeats item indices: {indices}")
+    size = request.ByteSize()
+    if size > config.max_request_bytes:
+        raise InvalidItemError(f"request is {size} bytes, over the limit of {config.max_request_bytes}")
 
 
 def _maps_errors(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
-    """Turns domain errors into their status code, and anything else into a bare INTERNAL."""
+    """Parses the raw request, then turns domain errors into their status code, and anything else
+    into a bare INTERNAL."""
 
     @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+    async def wrapper(self, request: bytes, context: grpc.aio.ServicerContext):
         try:
+            request = parse_request(request)
             async for message in method(self, request, context):
                 yield message
         except EncoderError as exc:
             await context.abort(status_for(exc), str(exc))
         except Exception:
-            log.exception("request %r failed", request.request_id)
+            log.exception("request %r failed", getattr(request, "request_id", "?"))
             await context.abort(grpc.StatusCode.INTERNAL, "internal error while encoding; see the server log")
 
     return wrapper
@@ -96,6 +122,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.config = config
         self.info = model_info(encoder.spec, config, random_weights)
         self.metrics = metrics or ServerMetrics()
+        self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.info
@@ -105,10 +132,15 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
         started = time.perf_counter()
         check_request(request, self.config)
+        self._admit(len(request.items))
         loop = asyncio.get_running_loop()
-        prepared = await asyncio.gather(
-            *(loop.run_in_executor(self.preprocess_pool, self._prepare, item) for item in request.items)
-        )
+        self._preprocessing += len(request.items)
+        try:
+            prepared = await asyncio.gather(
+                *(loop.run_in_executor(self.preprocess_pool, self._prepare, item) for item in request.items)
+            )
+        finally:
+            self._preprocessing -= len(request.items)
         preprocess_ms = (time.perf_counter() - started) * 1000
         futures = self.batcher.submit(prepared)
         try:
@@ -120,29 +152,29 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             for future in futures:
                 future.cancel()  # no-op for finished ones; frees queued work of a cancelled call
 
+    def _admit(self, count: int) -> None:
+        """Refuses a call before preprocessing when its items would not fit beside the queued and the
+        preprocessing ones: under overload, refusals come at once instead of after decoding."""
+        limit = self.batcher.config.max_queue_items
+        waiting = self.batcher.queue_depth + self._preprocessing
+        if waiting + count > limit:
+            raise OverloadedError(
+                f"encoder queue is full ({waiting} items queued or preprocessing, {count} more asked; limit {limit})"
+            )
+
     def _prepare(self, item: pb.ImageItem) -> PreparedImage:
         """Bytes to pixel values, on a preprocessing thread. Errors name the item."""
         try:
-            data = self._item_bytes(item)
-            image = decode_image(data, max_pixels=self.config.max_image_pixels)
-            return self.encoder.preprocess(image)
+            data = item_bytes(item, self.config.sources)
+            image = decode_image(
+                data, max_pixels=self.config.max_image_pixels, max_aspect_ratio=self.config.max_aspect_ratio
+            )
+            try:
+                return self.encoder.preprocess(image)
+            except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
+                raise InvalidItemError(f"the image processor refused it: {exc}") from None
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
-
-    def _item_bytes(self, item: pb.ImageItem) -> bytes:
-        source = item.WhichOneof("source")
-        if source == "data":
-            data = item.data
-        elif source == "url":
-            if not item.url.startswith("data:"):
-                scheme = item.url.split(":", 1)[0]
-                raise InvalidItemError(f"unsupported URL scheme {scheme!r}: this server accepts data: URIs")
-            data = decode_data_uri(item.url)
-        else:
-            raise InvalidItemError("item has neither data nor url")
-        if item.content_sha256 and hashlib.sha256(data).digest() != item.content_sha256:
-            raise InvalidItemError("content_sha256 does not match the item's bytes")
-        return data
 
     def _item_messages(self, index: int, prep: PreparedImage, encoded: EncodedItem, preprocess_ms: float):
         output = encoded.output
@@ -169,14 +201,16 @@ def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         service,
         {
+            # Requests arrive as bytes and are parsed inside the call, so that undecodable bytes get
+            # INVALID_ARGUMENT instead of gRPC's INTERNAL for a failing deserializer.
             "Encode": grpc.unary_stream_rpc_method_handler(
                 servicer.Encode,
-                request_deserializer=pb.EncodeRequest.FromString,
+                request_deserializer=None,
                 response_serializer=wire.serialize_response,
             ),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 servicer.GetModelInfo,
-                request_deserializer=pb.GetModelInfoRequest.FromString,
+                request_deserializer=None,  # an empty message: nothing to read
                 response_serializer=pb.ModelInfo.SerializeToString,
             ),
         },

@@ -13,20 +13,26 @@ from protos.errors import (
     UnsupportedModalityError,
 )
 
+from .channels import ClientTls
 from .chunking import get_embedding_chunk
 from .client import EncoderReceiver
-from .errors import ShardError
+from .errors import EncodeFailedError, ItemAttempt, ShardError
+from .health import FailoverPolicy
 from .precomputed import PRECOMPUTED_KEY
 from .prefill import Window, batch_embedding, expand_placeholders
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
 
 __all__ = [
+    "ClientTls",
     "DeadlineExceededError",
+    "EncodeFailedError",
     "EncodeResult",
     "EncoderError",
     "EncoderReceiver",
+    "FailoverPolicy",
     "InvalidItemError",
+    "ItemAttempt",
     "ItemResult",
     "ItemsOffsetError",
     "OverloadedError",

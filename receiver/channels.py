@@ -1,38 +1,78 @@
-"""Encoder URLs to gRPC channels: one channel per encoder, reused by every call."""
+"""Encoder URLs to gRPC channels: one channel per encoder, reused by every call; TLS for `grpcs://` URLs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from protos import encoder_pb2 as pb
 from protos import wire
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
+SERVICE_NAME = _SERVICE[1:]
+_SCHEMES = {"grpc://": False, "grpcs://": True}
 
 
 def grpc_target(url: str) -> str:
-    """`grpc://host:port` (or a bare `host:port`) to the target string grpc dials."""
-    for scheme in ("grpc://",):
+    """`grpc://host:port`, `grpcs://host:port` (or a bare `host:port`) to the target string grpc dials."""
+    for scheme in _SCHEMES:
         if url.startswith(scheme):
             return url[len(scheme) :]
     if "://" in url:
-        raise ValueError(f"unsupported encoder URL {url!r}: use grpc://host:port")
+        raise ValueError(f"unsupported encoder URL {url!r}: use grpc://host:port or grpcs://host:port")
     return url
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientTls:
+    """TLS settings for `grpcs://` encoders: the CAs to trust and, for mTLS, this client's certificate.
+
+    All PEM bytes; `root_certificates=None` trusts the system's CAs.
+    """
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+
+    @classmethod
+    def from_files(
+        cls, *, ca_file: str | Path | None = None, cert_file: str | Path | None = None, key_file: str | Path | None = None
+    ) -> ClientTls:
+        def read(path):
+            return Path(path).read_bytes() if path is not None else None
+
+        return cls(root_certificates=read(ca_file), certificate_chain=read(cert_file), private_key=read(key_file))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("a client certificate needs its private key, and the other way round")
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
 
 @dataclass
 class EncoderEndpoint:
-    """One encoder server: its URL, channel and the two RPCs, Encode reading with protos.wire."""
+    """One encoder server: its URL, channel, call metadata and the RPCs, Encode reading with protos.wire."""
 
     url: str
     channel: grpc.aio.Channel
+    metadata: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def connect(cls, url: str) -> EncoderEndpoint:
-        channel = grpc.aio.insecure_channel(grpc_target(url))
-        return cls(url, channel)
+    def connect(cls, url: str, *, tls: ClientTls | None = None, auth_token: str | None = None) -> EncoderEndpoint:
+        """A channel to `url`: TLS for `grpcs://` (with `tls`, or the system's CAs), plaintext for `grpc://`.
+
+        `auth_token` goes out as `authorization: Bearer <token>` on every call.
+        """
+        target = grpc_target(url)
+        if url.startswith("grpcs://"):
+            channel = grpc.aio.secure_channel(target, (tls or ClientTls()).credentials())
+        else:
+            channel = grpc.aio.insecure_channel(target)
+        metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        return cls(url, channel, metadata)
 
     def __post_init__(self) -> None:
         self.encode = self.channel.unary_stream(
@@ -45,6 +85,21 @@ class EncoderEndpoint:
             request_serializer=pb.GetModelInfoRequest.SerializeToString,
             response_deserializer=pb.ModelInfo.FromString,
         )
+        self.health_check = self.channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+
+    async def is_serving(self, timeout: float) -> bool:
+        """One grpc.health.v1 probe of the encoder service: True only for a SERVING answer in time."""
+        try:
+            reply = await self.health_check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout, metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
         await self.channel.close()

@@ -16,22 +16,37 @@ from protos import encoder_pb2 as pb
 from protos.errors import EncoderError, error_class_for
 
 from .assembly import ShardAssembler, StreamProtocolError
-from .channels import EncoderEndpoint
+from .channels import ClientTls, EncoderEndpoint
 from .discovery import DEFAULT_REFRESH_S, EncoderDiscovery, EndpointPool, Resolver, resolve_all
-from .errors import ShardError
-from .items import ImageSource, check_image_only, read_image_bytes
-from .precomputed import agreed_model, is_precomputed, precomputed_result
+from .errors import EncodeFailedError, ItemAttempt, ShardError
+from .health import FailoverPolicy, HealthTracker
+from .items import ImageSource, check_items, read_image_bytes
 from .metrics import ReceiverMetrics
+from .precomputed import agreed_model, is_precomputed, precomputed_result
 from .result import EncodeResult, ItemResult
-from .sharding import Shard, plan_shards
+from .sharding import plan_shards
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def _callers_fault(error: ShardError) -> bool:
+    # gRPC itself answers an over-size request with RESOURCE_EXHAUSTED; that is not an overload.
+    return error.code == _INVALID or (error.code == _BUSY and "larger than max" in error.message)
+
 
 class EncoderReceiver:
     """Shards each request's image items across encoder servers and reassembles their embeddings.
+
+    When an encoder fails (unreachable, UNAVAILABLE, INTERNAL, RESOURCE_EXHAUSTED, a broken or
+    stalled stream), the items it did not finish are re-sharded onto the other encoders within the
+    request's deadline; finished items are kept, half-received ones start over. Failed encoders are
+    skipped by later requests until a health probe finds them SERVING again.
 
     Use it as an async context manager (or call `close()`); one channel per encoder URL is opened
     once and shared by every `encode` call, which may run concurrently.
@@ -44,17 +59,24 @@ class EncoderReceiver:
         timeout: float = DEFAULT_TIMEOUT_S,
         seed: int | None = None,
         file_roots: Sequence[str | Path] | None = None,
+        failover: FailoverPolicy | None = None,
+        tls: ClientTls | None = None,
+        auth_token: str | None = None,
         resolver: Resolver = resolve_all,
         refresh_s: float = DEFAULT_REFRESH_S,
         metrics: ReceiverMetrics | None = None,
     ):
         """
         Args:
-            urls: encoder servers, as `grpc://host:port`, or `dns:///name:port` for every address
-                behind a name (a headless Service's pods), re-resolved as pods come and go.
-            timeout: default deadline of one `encode` call, in seconds.
+            urls: encoder servers, as `grpc://host:port`, `grpcs://host:port` (TLS), or
+                `dns:///name:port` for every address behind a name (a headless Service's pods),
+                re-resolved as pods come and go.
+            timeout: default deadline of one `encode` call, in seconds, retries included.
             seed: seeds the random sharding (for tests and reproducible runs).
             file_roots: directories `file://` items may be read from; None allows any path.
+            failover: retry, stall-detection and back-off settings.
+            tls: CAs to trust and client certificate (mTLS) for `grpcs://` URLs.
+            auth_token: sent as `authorization: Bearer <token>` on every call.
             resolver: resolves a `dns:` name; the system resolver unless a test brings its own.
             refresh_s: re-resolve `dns:` names when their addresses are older than this.
             metrics: counters to record into (shared between receivers if given).
@@ -64,16 +86,19 @@ class EncoderReceiver:
         self.urls = list(urls)
         self.timeout = timeout
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
+        self.failover = failover or FailoverPolicy()
         self._rng = random.Random(seed)
+        self._jitter = random.Random()
         self.metrics = metrics or ReceiverMetrics()
         self.discovery = EncoderDiscovery(self.urls, resolver=resolver, refresh_s=refresh_s, metrics=self.metrics)
-        self._pool = EndpointPool(self.discovery, close_grace_s=timeout)
+        self._endpoint_pool = EndpointPool(
+            self.discovery,
+            close_grace_s=timeout,
+            connect=lambda url: EncoderEndpoint.connect(url, tls=tls, auth_token=auth_token),
+        )
+        self._health = HealthTracker(self.failover)
         self._served_model: pb.ModelInfo | None = None
         self._served_model_lock = asyncio.Lock()
-
-    @property
-    def _endpoints(self) -> list[EncoderEndpoint]:
-        return self._pool.current
 
     async def __aenter__(self) -> EncoderReceiver:
         return self
@@ -82,13 +107,15 @@ class EncoderReceiver:
         await self.close()
 
     async def close(self) -> None:
-        await self._pool.close()
+        await self._endpoint_pool.close()
 
     async def model_info(self) -> dict[str, pb.ModelInfo]:
         """Each encoder's ModelInfo, by URL."""
-        endpoints = await self._pool.endpoints()
-        infos = await asyncio.gather(*(e.get_model_info(pb.GetModelInfoRequest(), timeout=self.timeout) for e in endpoints))
-        return dict(zip([e.url for e in endpoints], infos))
+        endpoints = await self._endpoint_pool.endpoints()
+        infos = await asyncio.gather(
+            *(e.get_model_info(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=e.metadata) for e in endpoints)
+        )
+        return {e.url: info for e, info in zip(endpoints, infos)}
 
     async def served_model(self) -> pb.ModelInfo:
         """The model the encoders serve, fetched once per receiver; they must agree on hidden size, dtype."""
@@ -102,6 +129,15 @@ class EncoderReceiver:
                     raise error_class_for(exc.code())(message) from None
                 self._served_model = agreed_model(infos)
         return self._served_model
+
+    @property
+    def endpoints(self) -> list[EncoderEndpoint]:
+        """The encoders of the latest call (for `dns:` names, the addresses last resolved)."""
+        return self._endpoint_pool.current
+
+    def healthy_urls(self) -> list[str]:
+        """The encoders this receiver currently sends to (the others are backing off)."""
+        return self._health.healthy_urls(self.endpoints)
 
     async def encode(
         self,
@@ -117,30 +153,24 @@ class EncoderReceiver:
         or "url" (`file://` or `data:`), or it carries "precomputed_embedding" (a float tensor
         [num_tokens, hidden_size]; see `precomputed_result` for the optional keys), in which case
         it is checked against `served_model()` and never sent. Only the other items are sharded,
-        so `num_items_assigned` counts those. Raises UnsupportedModalityError before any RPC if an
-        item is not an image, InvalidItemError for an unreadable item or a bad precomputed one
-        (before any Encode call), and ShardError when an encoder fails its share.
+        so `num_items_assigned` counts those, and fixes the first placement's per-encoder counts
+        while every encoder is healthy.
+
+        Raises UnsupportedModalityError before any RPC if an item is not an image,
+        InvalidItemError for an unreadable item or a bad precomputed one (before any Encode
+        call), and EncodeFailedError (a ShardError listing what happened to each item) when an
+        item is refused as invalid, no encoder can serve an item, or the deadline passes.
         """
-        check_image_only(items)
+        check_items(items)
         started = time.perf_counter()
-        results = await self._precomputed_results(items)
-        raw = [index for index in range(len(items)) if index not in results]
-        sources = await asyncio.to_thread(self._read_sources, items, raw)
-        endpoints = await self._pool.endpoints()
-        shards = plan_shards(len(sources), len(endpoints), self._rng, num_items_assigned)
-        deadline = timeout if timeout is not None else self.timeout
-        tasks = [
-            asyncio.create_task(self._run_shard(request_id, shard, sources, results, deadline, endpoints))
-            for shard in shards
-        ]
+        results: dict[int, ItemResult] = {}
         try:
-            await asyncio.gather(*tasks)
-        except ShardError as exc:
-            self._shard_failed(exc)
-            raise
+            results = await self._precomputed_results(items)
+            raw = [index for index in range(len(items)) if index not in results]
+            sources = await asyncio.to_thread(self._read_sources, items, raw)
+            budget = timeout if timeout is not None else self.timeout
+            await self._encode_sources(request_id, sources, num_items_assigned, time.monotonic() + budget, results)
         finally:
-            for task in tasks:
-                task.cancel()
             done = len(results) == len(items)
             self.metrics.request_done(time.perf_counter() - started, list(results.values()) if done else None)
         return EncodeResult(request_id, [results[i] for i in range(len(items))])
@@ -153,61 +183,211 @@ class EncoderReceiver:
         info = await self.served_model()
         return await asyncio.to_thread(lambda: {i: precomputed_result(items[i], i, info) for i in indices})
 
+    def _read_sources(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> dict[int, ImageSource]:
+        return {index: ImageSource(index, read_image_bytes(items[index], index, self.file_roots)) for index in indices}
+
+    async def _encode_sources(
+        self,
+        request_id: str,
+        sources: Mapping[int, ImageSource],
+        num_items_assigned: Sequence[int] | None,
+        deadline: float,
+        results: dict[int, ItemResult],
+    ) -> None:
+        """Places items on encoders, and re-places those of every failed shard, until all are in `results`.
+
+        Items an encoder refused as overloaded wait out a jittered back-off that doubles with each of
+        their attempts, on a timer, while the other shards go on; meanwhile that encoder is avoided
+        where another can take them. Encoders are looked up again (and `dns:` names re-resolved
+        when due) at each placement, so re-sharded items can land on pods that just appeared.
+        """
+        attempts: dict[int, list[ItemAttempt]] = {index: [] for index in sources}
+        excluded: set[str] = set()  # encoders that failed this request, by URL
+        busy_until: dict[str, float] = {}  # encoders that said they were overloaded, and until when to avoid them
+        running: dict[asyncio.Task, EncoderEndpoint | None] = {}  # shard calls; back-off timers map to None
+        to_place = sorted(sources)
+        assigned = num_items_assigned
+        last_error: ShardError | None = None
+
+        def fail(code: grpc.StatusCode, reason: str, encoder_url: str = "") -> EncodeFailedError:
+            return EncodeFailedError(
+                request_id=request_id,
+                code=code,
+                reason=reason,
+                encoder_url=encoder_url,
+                attempts=attempts,
+                completed=set(results),
+            )
+
+        try:
+            while True:
+                if to_place:
+                    known = await self._endpoint_pool.endpoints()
+                    encoders = await self._health.usable(known, excluded, deadline)
+                    now = time.monotonic()
+                    idle = [e for e in encoders if busy_until.get(e.url, 0.0) <= now]
+                    encoders = idle or encoders
+                    if not encoders:
+                        if last_error is None:
+                            raise fail(grpc.StatusCode.UNAVAILABLE, "no encoder is healthy")
+                        raise fail(
+                            last_error.code or grpc.StatusCode.INTERNAL,
+                            "every encoder failed or is unhealthy",
+                            last_error.encoder_url,
+                        )
+                    if assigned is not None and len(encoders) != len(known):
+                        assigned = None  # the fixed counts name encoders that cannot take them now
+                    for shard in plan_shards(len(to_place), len(encoders), self._rng, assigned):
+                        encoder = encoders[shard.encoder]
+                        indices = [to_place[i] for i in shard.items]
+                        task = asyncio.create_task(
+                            self._run_shard(request_id, encoder, indices, sources, results, attempts, deadline)
+                        )
+                        running[task] = encoder
+                    to_place, assigned = [], None
+                if not running:
+                    return
+                done, _ = await asyncio.wait(
+                    running, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    raise fail(_DEADLINE, "the request's deadline passed")
+                for task in done:
+                    encoder = running.pop(task)
+                    if encoder is None:  # a back-off timer: its items are due again
+                        to_place.extend(task.result())
+                        continue
+                    error = task.result()
+                    if error is None:
+                        self._health.of(encoder).mark_healthy()
+                        continue
+                    last_error = error
+                    self._shard_failed(error)
+                    for index in error.item_indices:
+                        attempts[index].append(ItemAttempt(error.encoder_url, error.status, error.message))
+                    if _callers_fault(error):
+                        raise fail(_INVALID, "the request was refused as invalid", error.encoder_url)
+                    if error.code == _DEADLINE:
+                        raise fail(_DEADLINE, "the request's deadline passed", error.encoder_url)
+                    exhausted = [i for i in error.item_indices if len(attempts[i]) >= self.failover.max_attempts]
+                    if exhausted:
+                        raise fail(
+                            error.code or grpc.StatusCode.INTERNAL,
+                            f"items {exhausted} failed {self.failover.max_attempts} attempts",
+                            error.encoder_url,
+                        )
+                    if error.code == _BUSY:  # overloaded is not broken: not benched for other requests
+                        tries = max(len(attempts[i]) for i in error.item_indices)
+                        delay = self.failover.busy_backoff_s * 2 ** (tries - 1) * self._jitter.uniform(0.5, 1.5)
+                        delay = min(delay, max(0.0, deadline - time.monotonic()))
+                        busy_until[encoder.url] = time.monotonic() + delay
+                        self.metrics.retry(encoder.url, len(error.item_indices))
+                        running[asyncio.create_task(asyncio.sleep(delay, result=error.item_indices))] = None
+                        continue
+                    excluded.add(encoder.url)
+                    self._health.of(encoder).mark_failed(f"{error.status}: {error.message}")
+                    self.metrics.failover(encoder.url, len(error.item_indices))
+                    log.warning("request %s: %s; re-sharding its items", request_id, error)
+                    to_place.extend(error.item_indices)
+                to_place.sort()
+        finally:
+            for task in running:
+                task.cancel()
+
     def _shard_failed(self, error: ShardError) -> None:
         """Counts the failure; an unreachable encoder makes discovery re-resolve and skip it a while."""
-        code = error.code.name if error.code is not None else "PROTOCOL"
-        self.metrics.shard_failed(error.encoder_url, code)
+        self.metrics.shard_failed(error.encoder_url, error.status)
         if error.code == grpc.StatusCode.UNAVAILABLE:
             self.discovery.report_failure(error.encoder_url)
-
-    def _read_sources(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> list[ImageSource]:
-        return [ImageSource(index, read_image_bytes(items[index], index, self.file_roots)) for index in indices]
 
     async def _run_shard(
         self,
         request_id: str,
-        shard: Shard,
-        sources: Sequence[ImageSource],
+        endpoint: EncoderEndpoint,
+        indices: list[int],
+        sources: Mapping[int, ImageSource],
         results: dict[int, ItemResult],
-        timeout: float,
-        endpoints: Sequence[EncoderEndpoint],
-    ) -> None:
-        endpoint = endpoints[shard.encoder]
-        shard_sources = [sources[i] for i in shard.items]
-        indices = [s.index for s in shard_sources]
-        request = pb.EncodeRequest(
-            request_id=request_id,
-            items=[pb.ImageItem(index=s.index, modality=pb.IMAGE, data=s.data) for s in shard_sources],
-        )
-        assembler = ShardAssembler(indices, endpoint.url)
-        call = endpoint.encode(request, timeout=timeout)
-        try:
-            async for message in call:
-                done = assembler.feed(message)
-                if done is not None:
-                    results[done.index] = done
-        except grpc.aio.AioRpcError as exc:
-            raise ShardError(
+        attempts: dict[int, list[ItemAttempt]],
+        deadline: float,
+    ) -> ShardError | None:
+        """One Encode call for `indices` on one encoder; stores each item as its last byte arrives.
+
+        Returns None when every item arrived, else a ShardError naming the items that did not; an
+        item cut off half-way is dropped whole, so a retry rewrites it from scratch. A stream
+        silent for `stall_timeout_s` whose encoder then fails a health probe is abandoned.
+        """
+
+        def shard_error(code: grpc.StatusCode | None, message: str) -> ShardError:
+            return ShardError(
                 encoder_url=endpoint.url,
                 request_id=request_id,
                 item_indices=assembler.missing(),
-                code=exc.code(),
-                message=exc.details() or "",
-            ) from None
-        except StreamProtocolError as exc:
-            call.cancel()
-            raise ShardError(
-                encoder_url=endpoint.url, request_id=request_id, item_indices=assembler.missing(), code=None, message=str(exc)
-            ) from None
-        missing = assembler.missing()
-        if missing:
-            raise ShardError(
-                encoder_url=endpoint.url,
-                request_id=request_id,
-                item_indices=missing,
-                code=None,
-                message="stream ended before these items arrived",
+                code=code,
+                message=message,
             )
 
+        request = pb.EncodeRequest(
+            request_id=request_id,
+            items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=sources[i].data) for i in indices],
+        )
+        assembler = ShardAssembler(indices, endpoint.url)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return shard_error(_DEADLINE, "the request's deadline passed before the call")
+        call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
+        watch = _StallWatch(self.failover)
+        watchdog = asyncio.create_task(watch.run(endpoint, call))
+        try:
+            async for message in call:
+                watch.last_message = time.monotonic()
+                done = assembler.feed(message)
+                if done is not None:
+                    results[done.index] = done
+                    attempts[done.index].append(ItemAttempt(endpoint.url, "OK"))
+        except grpc.aio.AioRpcError as exc:
+            if watch.stalled:
+                return shard_error(grpc.StatusCode.UNAVAILABLE, watch.reason)
+            return shard_error(exc.code(), exc.details() or "")
+        except StreamProtocolError as exc:
+            call.cancel()
+            return shard_error(None, str(exc))
+        except asyncio.CancelledError:
+            if watch.stalled:  # the watchdog cancelled the call; nobody cancelled this task
+                return shard_error(grpc.StatusCode.UNAVAILABLE, watch.reason)
+            raise
+        finally:
+            watchdog.cancel()
+        if assembler.missing():
+            return shard_error(None, "stream ended before these items arrived")
+        return None
 
-__all__ = ["EncoderReceiver", "EncoderError"]
+
+class _StallWatch:
+    """Watches one call: after `stall_timeout_s` without a message it probes the encoder, and
+    cancels the call unless the probe answers SERVING (a busy encoder is left alone)."""
+
+    __slots__ = ("policy", "last_message", "stalled", "reason")
+
+    def __init__(self, policy: FailoverPolicy):
+        self.policy = policy
+        self.last_message = time.monotonic()
+        self.stalled = False
+        self.reason = ""
+
+    async def run(self, endpoint: EncoderEndpoint, call: grpc.aio.UnaryStreamCall) -> None:
+        stall = self.policy.stall_timeout_s
+        while True:
+            wait = self.last_message + stall - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            if await endpoint.is_serving(self.policy.probe_timeout_s):
+                self.last_message = time.monotonic()
+                continue
+            self.stalled = True
+            self.reason = f"no message for {stall:g} s and no SERVING answer to a health probe: abandoned"
+            call.cancel()
+            return
+
+
+__all__ = ["ClientTls", "EncodeFailedError", "EncoderError", "EncoderReceiver", "FailoverPolicy"]

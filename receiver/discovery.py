@@ -197,9 +197,15 @@ class EndpointPool:
     draining pod finish instead of being cut.
     """
 
-    def __init__(self, discovery: EncoderDiscovery, close_grace_s: float):
+    def __init__(
+        self,
+        discovery: EncoderDiscovery,
+        close_grace_s: float,
+        connect: Callable[[str], EncoderEndpoint] = EncoderEndpoint.connect,
+    ):
         self.discovery = discovery
         self.close_grace_s = close_grace_s
+        self._connect = connect
         self._endpoints: dict[str, EncoderEndpoint] = {}
         self._current: list[EncoderEndpoint] = []
         self._closing: dict[asyncio.Task, EncoderEndpoint] = {}
@@ -221,7 +227,7 @@ class EndpointPool:
             return
         for url in urls:
             if url not in self._endpoints:
-                self._endpoints[url] = EncoderEndpoint.connect(url)
+                self._endpoints[url] = self._connect(url)
         # Cooling-down addresses keep their channel: they come back after the cooldown.
         known = self.discovery.known()
         for url in [url for url in self._endpoints if url not in known]:

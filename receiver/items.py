@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import enum
-import os
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +10,12 @@ from typing import Any
 
 from protos.data_uri import decode_data_uri
 from protos.errors import InvalidItemError, UnsupportedModalityError
+from protos.file_url import read_file_url
+
+# The keys an item may carry; anything else is a typo or a feature this receiver lacks, and
+# guessing would send the wrong bytes. An item carrying its embedding may omit data and url.
+PRECOMPUTED_KEYS = frozenset({"precomputed_embedding", "precomputed_deepstack", "grid_thw", "weights_fingerprint"})
+ITEM_KEYS = frozenset({"modality", "data", "url"}) | PRECOMPUTED_KEYS
 
 
 @dataclass(frozen=True)
@@ -31,17 +34,27 @@ def modality_name(item: Mapping[str, Any]) -> str:
     return str(modality).lower()
 
 
-def check_image_only(items: Sequence[Mapping[str, Any]]) -> None:
-    """Raises UnsupportedModalityError listing every non-image modality, in item order."""
+def check_items(items: Sequence[Mapping[str, Any]]) -> None:
+    """The checks that come before any network call: every item a mapping, the image-only rule
+    (UnsupportedModalityError listing every non-image modality, in item order), no unknown keys."""
+    for index, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise InvalidItemError(f"item {index}: must be a mapping (dict), got {type(item).__name__}")
     non_image = [modality_name(item) for item in items if modality_name(item) != "image"]
     if non_image:
         raise UnsupportedModalityError(non_image)
+    for index, item in enumerate(items):
+        unknown = sorted(str(key) for key in item if key not in ITEM_KEYS)
+        if unknown:
+            raise InvalidItemError(f"item {index}: unknown keys {unknown}; an item may carry {sorted(ITEM_KEYS)}")
 
 
 def read_image_bytes(item: Mapping[str, Any], index: int, file_roots: Sequence[Path] | None) -> bytes:
     """The encoded image bytes of an item given as `data` (bytes) or `url` (file:// or data:)."""
     data = item.get("data")
     url = item.get("url")
+    if data is not None and url is not None:
+        raise InvalidItemError(f"item {index}: has both 'data' and 'url'; give one")
     if data is not None:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidItemError(f"item {index}: 'data' must be bytes, got {type(data).__name__}")
@@ -54,21 +67,9 @@ def read_image_bytes(item: Mapping[str, Any], index: int, file_roots: Sequence[P
         if url.startswith("data:"):
             return decode_data_uri(url)
         if url.startswith("file://"):
-            return _read_file(url, file_roots)
+            return read_file_url(url, file_roots)
     except InvalidItemError as exc:
         raise InvalidItemError(f"item {index}: {exc}") from None
     scheme = url.split(":", 1)[0] if ":" in url else "(none)"
     raise InvalidItemError(f"item {index}: unsupported URL scheme {scheme!r}; use file://, data: or 'data'")
 
-
-def _read_file(url: str, file_roots: Sequence[Path] | None) -> bytes:
-    parsed = urllib.parse.urlparse(url)
-    if parsed.netloc not in ("", "localhost"):
-        raise InvalidItemError(f"file:// URL names a remote host {parsed.netloc!r}")
-    path = Path(urllib.request.url2pathname(parsed.path)).resolve()
-    if file_roots is not None and not any(path.is_relative_to(root) for root in file_roots):
-        raise InvalidItemError(f"file {path} is outside the allowed directories")
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise InvalidItemError(f"cannot read {path}: {os.strerror(exc.errno) if exc.errno else exc}") from None

@@ -17,9 +17,9 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 class ReceiverMetrics:
     """Counters of one EncoderReceiver (or several sharing it); safe to read from another thread.
 
-    The receiver records requests, items and shard failures itself. `retry` and `failover` are for
-    the code that re-sends a failed shard: a retry is another attempt on the same encoder, a
-    failover moves the shard to another encoder.
+    Retries count items re-sent after an encoder refused them as overloaded (RESOURCE_EXHAUSTED:
+    the encoder stays in use); failovers count items moved off an encoder that failed (unreachable,
+    UNAVAILABLE, INTERNAL, a broken or stalled stream), by the encoder they left.
     """
 
     def __init__(self) -> None:
@@ -28,8 +28,8 @@ class ReceiverMetrics:
         self.items_by_encoder: Counter[str] = Counter()
         self.tokens_by_encoder: Counter[str] = Counter()
         self.shard_failures: Counter[tuple[str, str]] = Counter()  # by (encoder URL, status code name)
-        self.retries: Counter[str] = Counter()  # by encoder URL retried
-        self.failovers: Counter[tuple[str, str]] = Counter()  # by (from URL, to URL)
+        self.retries: Counter[str] = Counter()  # items, by the encoder that refused them as overloaded
+        self.failovers: Counter[str] = Counter()  # items, by the failed encoder they were moved off
         self.resolutions: Counter[str] = Counter()  # by outcome: "ok" or "error"
         self.latency_buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)  # the last one is +Inf
         self.latency_sum_s = 0.0
@@ -49,13 +49,13 @@ class ReceiverMetrics:
         with self._lock:
             self.shard_failures[(encoder_url, code_name)] += 1
 
-    def retry(self, encoder_url: str) -> None:
+    def retry(self, encoder_url: str, items: int) -> None:
         with self._lock:
-            self.retries[encoder_url] += 1
+            self.retries[encoder_url] += items
 
-    def failover(self, from_url: str, to_url: str) -> None:
+    def failover(self, from_url: str, items: int) -> None:
         with self._lock:
-            self.failovers[(from_url, to_url)] += 1
+            self.failovers[from_url] += items
 
     def resolved(self, ok: bool) -> None:
         with self._lock:
@@ -70,7 +70,7 @@ class ReceiverMetrics:
                 "tokens_by_encoder": dict(self.tokens_by_encoder),
                 "shard_failures": {f"{url} {code}": n for (url, code), n in self.shard_failures.items()},
                 "retries": dict(self.retries),
-                "failovers": {f"{a} -> {b}": n for (a, b), n in self.failovers.items()},
+                "failovers": dict(self.failovers),
                 "resolutions": dict(self.resolutions),
                 "latency_count": sum(self.latency_buckets),
                 "latency_sum_s": self.latency_sum_s,
@@ -112,7 +112,7 @@ class ReceiverMetrics:
             ("items", "items received, by encoder", ["encoder"], self.items_by_encoder),
             ("tokens", "embedding rows received, by encoder", ["encoder"], self.tokens_by_encoder),
             ("shard_failures", "failed shards, by encoder and status code", ["encoder", "code"], self.shard_failures),
-            ("retries", "shards retried on the same encoder", ["encoder"], self.retries),
-            ("failovers", "shards moved to another encoder", ["from_encoder", "to_encoder"], self.failovers),
+            ("retries", "items re-sent after an encoder refused them as overloaded", ["encoder"], self.retries),
+            ("failovers", "items moved off a failed encoder", ["from_encoder"], self.failovers),
             ("resolutions", "DNS resolutions of encoder names, by outcome", ["outcome"], self.resolutions),
         ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from unittest import mock
@@ -11,6 +10,7 @@ from unittest import mock
 import grpc
 
 from encoder_server.server import EncoderServer
+from protos import encoder_pb2 as pb
 from tests.support import running_server
 
 
@@ -32,7 +32,9 @@ class RpcLog(grpc.aio.ServerInterceptor):
         behavior = handler.unary_stream
 
         async def logged(request, context):
-            self.calls.append((method, [item.index for item in request.items]))
+            # The servicer reads raw request bytes (it parses them itself, to refuse unknown fields).
+            parsed = pb.EncodeRequest.FromString(request) if isinstance(request, bytes) else request
+            self.calls.append((method, [item.index for item in parsed.items]))
             async for message in behavior(request, context):
                 yield message
 
@@ -48,8 +50,13 @@ async def logged_server(model_dir: Path, **overrides) -> AsyncIterator[EncoderSe
     """`running_server` with an RpcLog interceptor installed on its grpc.aio server, as `server.rpc_log`."""
     log = RpcLog()
     async with contextlib.AsyncExitStack() as stack:
-        # EncoderServer builds its grpc.aio server inside start(); hand it the interceptor there.
-        with mock.patch.object(grpc.aio, "server", functools.partial(grpc.aio.server, interceptors=[log])):
+        # EncoderServer builds its grpc.aio server inside start(); add the interceptor to its own there.
+        real_server = grpc.aio.server
+
+        def server_with_log(*args, interceptors=(), **kwargs):
+            return real_server(*args, interceptors=[log, *interceptors], **kwargs)
+
+        with mock.patch.object(grpc.aio, "server", server_with_log):
             server = await stack.enter_async_context(running_server(model_dir, **overrides))
         server.rpc_log = log  # type: ignore[attr-defined]
         yield server

@@ -127,6 +127,10 @@ def test_metrics_port_accepts_off_and_ports_only():
 
 def test_console_scripts_point_at_the_commands():
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"encoder-server": "encoder_server.cli:main", "encoder-client": "encoder_server.client_cli:main"}
+    assert scripts == {
+        "encoder-server": "encoder_server.cli:main",
+        "encoder-client": "encoder_server.client_cli:main",
+        "encoder-precompute": "receiver.precompute:main",
+    }
     for command, (module, build, _, _) in COMMANDS.items():
         assert build().prog == command

@@ -122,12 +122,12 @@ async def test_new_pods_get_work_after_a_refresh_and_gone_pods_stop_getting_it(s
 
         dns.table[NAME] = addresses(b, c)  # pod a went away
         clock.now += 10
-        channel_a = next(e.channel for e in rx._endpoints if e.url == a.url)
+        channel_a = next(e.channel for e in rx.endpoints if e.url == a.url)
         for seed in range(3):
             result = await rx.encode(f"after-{seed}", items)
             assert {i.encoder_url for i in result.items} == {b.url, c.url}
             assert_same_embeddings(result, baseline)
-        assert [e.url for e in rx._endpoints] == sorted([b.url, c.url])
+        assert [e.url for e in rx.endpoints] == sorted([b.url, c.url])
         # a's channel is closed once its (grace-limited) close has run; it had no calls in flight
         for _ in range(100):
             if channel_a.get_state() == grpc.ChannelConnectivity.SHUTDOWN:
@@ -142,18 +142,19 @@ async def test_an_unreachable_address_triggers_re_resolution_and_is_left_out(ser
     dead_url = address_url(*dead)
     dns, clock = FakeDns({NAME: [dead, *addresses(a)]}), FakeClock()
     async with receiver(dns, clock, seed=0) as rx:
-        with pytest.raises(ShardError) as raised:
-            await rx.encode("hits-dead", [{"data": images[0]}, {"data": images[1]}])  # one item each
-        assert raised.value.code == grpc.StatusCode.UNAVAILABLE and raised.value.encoder_url == dead_url
-        assert dns.lookups == 1
-        # DNS still lists the dead address; the next call re-resolves at once but leaves it out.
-        result = await rx.encode("after", [{"data": d} for d in images])
-        assert dns.lookups == 2
+        # One item lands on the dead address; the receiver re-resolves, leaves it out and fails
+        # that item over to the live pod, so the call completes.
+        result = await rx.encode("hits-dead", [{"data": images[0]}, {"data": images[1]}])  # one item each
         assert {i.encoder_url for i in result.items} == {a.url}
-        assert_same_embeddings(result, baseline)
+        assert dns.lookups == 2
+        assert rx.endpoints == [e for e in rx.endpoints if e.url == a.url]
+        after = await rx.encode("after", [{"data": d} for d in images])
+        assert dns.lookups == 2 and {i.encoder_url for i in after.items} == {a.url}
+        assert_same_embeddings(after, baseline)
         snapshot = rx.metrics.snapshot()
         assert snapshot["shard_failures"] == {f"{dead_url} UNAVAILABLE": 1}
-        assert snapshot["requests"] == {"error": 1, "ok": 1}
+        assert snapshot["failovers"] == {dead_url: 1}
+        assert snapshot["requests"] == {"ok": 2}
         assert snapshot["resolutions"] == {"ok": 2}
         # After the cooldown it is tried again (DNS still lists it), and fails again.
         clock.now += rx.discovery.failure_cooldown_s + rx.discovery.refresh_s
@@ -180,7 +181,7 @@ async def test_fixed_urls_and_dns_names_mix(servers, images, baseline):
     dns = FakeDns({NAME: addresses(b, c, a)})  # a also behind the name: listed once
     async with EncoderReceiver([a.url, URL], resolver=dns, seed=2) as rx:
         result = await rx.encode("mixed", [{"data": d} for d in images])
-        assert [e.url for e in rx._endpoints] == [a.url, *sorted([b.url, c.url])]
+        assert [e.url for e in rx.endpoints] == [a.url, *sorted([b.url, c.url])]
         infos = await rx.model_info()
     assert {i.encoder_url for i in result.items} == {a.url, b.url, c.url}
     assert_same_embeddings(result, baseline)

@@ -96,7 +96,7 @@ async def test_urls_file_and_data_uri_are_read_on_the_receiver(two_servers, tmp_
 async def test_image_only_rule_raises_before_any_rpc(two_servers):
     async with EncoderReceiver([s.url for s in two_servers]) as rx:
         calls = []
-        for endpoint in rx._endpoints:
+        for endpoint in rx.endpoints:
             original = endpoint.encode
             endpoint.encode = lambda *a, _o=original, **k: calls.append(a) or _o(*a, **k)
         with pytest.raises(UnsupportedModalityError) as raised:

@@ -1,0 +1,104 @@
+"""Where an item's image bytes come from on the server: inline data and data: URIs always; file:// and
+http(s):// URLs only where the operator enables them, bounded in size and time.
+
+Fetching URLs on behalf of callers is server-side request forgery waiting to happen, so both are
+off by default.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from protos import encoder_pb2 as pb
+from protos.data_uri import decode_data_uri
+from protos.errors import InvalidItemError
+from protos.file_url import read_file_url
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourcePolicy:
+    file_root: str | None = None  # directory file:// URLs may read from; None refuses file:// URLs
+    allow_http: bool = False  # fetch http:// and https:// URLs
+    max_fetch_bytes: int = 32 << 20  # largest file or download accepted for one item
+    fetch_timeout_s: float = 10.0  # whole download of one http(s) item
+
+
+def item_bytes(item: pb.ImageItem, policy: SourcePolicy) -> bytes:
+    """The encoded image bytes of `item`, checked against its content_sha256 when it carries one."""
+    source = item.WhichOneof("source")
+    if source == "data":
+        data = item.data
+    elif source == "url":
+        data = _url_bytes(item.url, policy)
+    else:
+        raise InvalidItemError("item has neither data nor url")
+    if item.content_sha256 and hashlib.sha256(data).digest() != item.content_sha256:
+        raise InvalidItemError("content_sha256 does not match the item's bytes")
+    return data
+
+
+def _url_bytes(url: str, policy: SourcePolicy) -> bytes:
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return decode_data_uri(url)
+    if scheme == "file":
+        if policy.file_root is None:
+            raise InvalidItemError("file:// URLs are disabled on this server; send the bytes instead")
+        return read_file_url(url, [Path(policy.file_root).resolve()], max_bytes=policy.max_fetch_bytes)
+    if scheme in ("http", "https"):
+        if not policy.allow_http:
+            raise InvalidItemError(f"{scheme}:// URLs are disabled on this server; send the bytes instead")
+        return fetch_http(url, max_bytes=policy.max_fetch_bytes, timeout_s=policy.fetch_timeout_s)
+    raise InvalidItemError(f"unsupported URL scheme {scheme or '(none)'!r}")
+
+
+# http(s) only: no file:, ftp: or data: handler that a redirect could reach, and no proxy from the
+# environment.
+_OPENER = urllib.request.OpenerDirector()
+for _handler in (
+    urllib.request.HTTPHandler(),
+    urllib.request.HTTPSHandler(),
+    urllib.request.HTTPRedirectHandler(),
+    urllib.request.HTTPDefaultErrorHandler(),
+    urllib.request.HTTPErrorProcessor(),
+):
+    _OPENER.add_handler(_handler)
+
+
+def fetch_http(url: str, *, max_bytes: int, timeout_s: float) -> bytes:
+    """Downloads `url`, refusing bodies over `max_bytes` and downloads that take over `timeout_s`."""
+    shown = url if len(url) <= 200 else url[:200] + "..."
+    deadline = time.monotonic() + timeout_s
+    try:
+        with _OPENER.open(urllib.request.Request(url, headers={"User-Agent": "encoder-server"}), timeout=timeout_s) as response:
+            length = response.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > max_bytes:
+                raise InvalidItemError(f"{shown} is {length} bytes, over the limit of {max_bytes}")
+            parts, received = [], 0
+            while received <= max_bytes:
+                if time.monotonic() > deadline:
+                    raise InvalidItemError(f"fetching {shown} took over {timeout_s:g} s")
+                part = response.read(min(1 << 16, max_bytes + 1 - received))
+                if not part:
+                    break
+                parts.append(part)
+                received += len(part)
+            if received > max_bytes:
+                raise InvalidItemError(f"{shown} is over the limit of {max_bytes} bytes")
+            return b"".join(parts)
+    except InvalidItemError:
+        raise
+    except urllib.error.HTTPError as exc:
+        raise InvalidItemError(f"fetching {shown} failed: HTTP {exc.code}") from None
+    except (socket.timeout, TimeoutError):
+        raise InvalidItemError(f"fetching {shown} took over {timeout_s:g} s") from None
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc.__class__.__name__
+        raise InvalidItemError(f"fetching {shown} failed: {reason}") from None

@@ -1,0 +1,376 @@
+"""Faults under load, on real encoder processes: kill -9, a hung encoder, overload, SIGTERM drains;
+and the server's life cycle (health, dead forward worker, expired deadlines) in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from encoder_server.models import VisionEncoder, load_vision_encoder
+from protos import encoder_pb2 as pb
+from receiver import EncodeFailedError, EncoderReceiver, FailoverPolicy
+from tests.support import LaunchedServer, image_bytes, reference_features, running_server, server_process
+
+SERVICE = "encoder.v1.EncoderService"
+
+
+@contextlib.contextmanager
+def processes(model_dir: Path, count: int, *flags: str, log_dir: Path) -> Iterator[list[LaunchedServer]]:
+    """`count` encoder processes, started side by side (each takes seconds to load)."""
+    managers = [server_process(model_dir, "--dtype", "float32", *flags, log_dir=log_dir) for _ in range(count)]
+    with contextlib.ExitStack() as stack:
+        with ThreadPoolExecutor(count) as pool:
+            entered = [pool.submit(m.__enter__) for m in managers]
+        for manager, future in zip(managers, entered):
+            if future.exception() is None:
+                stack.push(manager.__exit__)
+        yield [future.result() for future in entered]
+
+
+class FaultAfter:
+    """An Encode call that runs `fault` once `after` messages have come through: the fault lands
+    at a known point of the stream instead of at a guessed time."""
+
+    def __init__(self, call, after: int, fault: Callable[[], None]):
+        self._call, self._after, self._fault = call, after, fault
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    async def __aiter__(self):
+        seen = 0
+        async for message in self._call:
+            yield message
+            seen += 1
+            if seen == self._after:
+                self._fault()
+
+
+def inject(rx: EncoderReceiver, url: str, after: int, fault: Callable[[], None]) -> None:
+    """Makes the receiver's next Encode call to `url` suffer `fault` after `after` messages."""
+    endpoint = next(e for e in rx.endpoints if e.url == url)
+    original = endpoint.encode
+
+    def encode(request, **kwargs):
+        endpoint.encode = original  # once
+        return FaultAfter(original(request, **kwargs), after, fault)
+
+    endpoint.encode = encode
+
+
+def assert_matches(result, images: list[bytes], reference: dict[bytes, torch.Tensor]) -> None:
+    assert [item.index for item in result.items] == list(range(len(images)))
+    for item, data in zip(result.items, images):
+        torch.testing.assert_close(item.embedding, reference[data], rtol=1e-4, atol=1e-4)
+
+
+def references(model_dir: Path, images: list[bytes]) -> dict[bytes, torch.Tensor]:
+    unique = list(dict.fromkeys(images))
+    return {data: f.pooler_output[0] for data, f in zip(unique, reference_features(model_dir, unique))}
+
+
+# 448x448 -> 256 tokens x 2048 x fp32 = 2 MiB per item: two chunks, so a fault can land mid-item.
+BIG = [image_bytes(448, 448, seed=i) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def big_reference(default_model_dir):
+    return references(default_model_dir, BIG)
+
+
+@pytest.fixture(scope="module")
+def trio(default_model_dir, tmp_path_factory):
+    # One image per forward, so a victim's later items are not produced yet when the fault lands.
+    with processes(default_model_dir, 3, "--max-batch-images", "1", log_dir=tmp_path_factory.mktemp("trio")) as procs:
+        yield procs
+
+
+async def timed_baseline(rx: EncoderReceiver, items: list[dict]) -> float:
+    """Seconds the 12-item request takes without faults, after one warm-up run (first forwards of a
+    shape and new connections are slower)."""
+    await rx.encode("warm", items, num_items_assigned=[4, 4, 4])
+    started = time.perf_counter()
+    await rx.encode("baseline", items, num_items_assigned=[4, 4, 4])
+    return time.perf_counter() - started
+
+
+def healthy(proc: LaunchedServer) -> bool:
+    return proc.process.poll() is None
+
+
+async def test_hung_encoder_mid_stream_request_completes_within_the_deadline(trio, big_reference):
+    victim, *others = trio
+    policy = FailoverPolicy(stall_timeout_s=1.0, probe_timeout_s=0.5, backoff_s=0.5)
+    items = [{"data": d} for d in BIG]
+    async with EncoderReceiver([p.url for p in trio], failover=policy, timeout=30.0, seed=0) as rx:
+        baseline = await timed_baseline(rx, items)
+        # SIGSTOP after item 0 and the first chunk of item 1: the stream goes silent mid-item.
+        inject(rx, victim.url, after=5, fault=lambda: os.kill(victim.process.pid, signal.SIGSTOP))
+        try:
+            started = time.perf_counter()
+            result = await rx.encode("hang", items, num_items_assigned=[4, 4, 4])
+            elapsed = time.perf_counter() - started
+            assert_matches(result, BIG, big_reference)
+            assert result.items[0].encoder_url == victim.url  # finished before the hang: kept
+            assert result.items[3].encoder_url != victim.url  # not even forwarded when it hung
+            assert elapsed < 10.0  # stall 1 s + probe 0.5 s + re-sharding, far inside the 30 s deadline
+            assert rx.healthy_urls() == [p.url for p in others]
+
+            started = time.perf_counter()
+            after = await rx.encode("after-hang", items)  # the hung encoder is skipped, not waited on
+            skip_elapsed = time.perf_counter() - started
+            assert {i.encoder_url for i in after.items} <= {p.url for p in others}
+            assert skip_elapsed < 5.0
+        finally:
+            os.kill(victim.process.pid, signal.SIGCONT)
+        # Back from the hang: after its back-off, a health probe (not a request) lets it back in.
+        back_deadline = time.monotonic() + 15
+        while victim.url not in rx.healthy_urls():
+            assert time.monotonic() < back_deadline, "the resumed encoder was never probed back in"
+            await rx.encode("probe-trigger", items[:2])
+            await asyncio.sleep(0.2)
+    print(f"hang: baseline {baseline:.2f} s, with SIGSTOP mid-stream {elapsed:.2f} s, next request {skip_elapsed:.2f} s")
+
+
+async def test_kill_9_one_of_three_encoders_mid_stream_all_12_items_correct(trio, big_reference):
+    victim, *others = trio
+    assert all(map(healthy, trio))
+    items = [{"data": d} for d in BIG]
+    async with EncoderReceiver([p.url for p in trio], timeout=30.0, seed=0) as rx:
+        baseline = await timed_baseline(rx, items)
+        # kill -9 after item 0 and the first chunk of item 1: the half-received item 1 must be
+        # rewritten from scratch elsewhere, item 0 kept.
+        inject(rx, victim.url, after=5, fault=victim.process.kill)
+        started = time.perf_counter()
+        result = await rx.encode("kill", items, num_items_assigned=[4, 4, 4])
+        elapsed = time.perf_counter() - started
+        assert victim.process.wait(10) == -signal.SIGKILL
+        assert_matches(result, BIG, big_reference)
+        assert result.items[0].encoder_url == victim.url
+        assert result.items[3].encoder_url != victim.url
+        assert rx.healthy_urls() == [p.url for p in others]
+        assert_matches(await rx.encode("after-kill", items), BIG, big_reference)
+    print(f"kill -9: baseline {baseline:.2f} s, with kill -9 mid-stream {elapsed:.2f} s")
+
+
+# --- overload and SIGTERM on two small-queue encoders -------------------------------------------
+
+SMALL = [image_bytes(28 * (1 + i % 4), 28 * (1 + (i * 3) % 5), seed=100 + i) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def small_reference(default_model_dir):
+    return references(default_model_dir, SMALL)
+
+
+@pytest.fixture(scope="module")
+def duo(default_model_dir, tmp_path_factory):
+    flags = ("--max-queue-items", "8", "--preprocess-workers", "2", "--grace-seconds", "20")
+    with processes(default_model_dir, 2, *flags, log_dir=tmp_path_factory.mktemp("duo")) as procs:
+        yield procs
+
+
+async def test_200_concurrent_requests_each_complete_correctly_or_fail_fast_with_resource_exhausted(duo, small_reference):
+    rng = random.Random(7)
+    requests = [rng.sample(SMALL, 4) for _ in range(200)]
+    outcomes: dict[str, list[float]] = {"completed": [], "RESOURCE_EXHAUSTED": []}
+
+    async with EncoderReceiver([p.url for p in duo], timeout=60.0, seed=1) as rx:
+
+        async def one(i: int, images: list[bytes]) -> None:
+            started = time.perf_counter()
+            try:
+                result = await asyncio.wait_for(rx.encode(f"load-{i}", [{"data": d} for d in images]), 90)
+            except EncodeFailedError as exc:
+                assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+                assert all(len(exc.attempts[j]) <= rx.failover.max_attempts for j in exc.item_indices)
+                outcomes["RESOURCE_EXHAUSTED"].append(time.perf_counter() - started)
+                return
+            assert result.request_id == f"load-{i}"
+            assert_matches(result, images, small_reference)  # its own rows, in its own order
+            outcomes["completed"].append(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i, images) for i, images in enumerate(requests)))
+        wall = time.perf_counter() - started
+        assert rx.healthy_urls() == [p.url for p in duo]  # overloaded is not broken
+    done, refused = outcomes["completed"], outcomes["RESOURCE_EXHAUSTED"]
+    assert len(done) + len(refused) == 200 and len(done) > 0
+    slowest_refusal = max(refused, default=0.0)
+    assert slowest_refusal < 30.0  # half the deadline: refused after its retries, not timed out
+    median = statistics.median(refused) if refused else 0.0
+    print(
+        f"200 x 4 images on 2 encoders (queue 8): {len(done)} completed, {len(refused)} RESOURCE_EXHAUSTED "
+        f"after retries; wall {wall:.1f} s; slowest completion {max(done):.2f} s; refusals median {median:.2f} s, "
+        f"slowest {slowest_refusal:.2f} s"
+    )
+
+
+async def test_sigterm_during_load_loses_no_accepted_request(duo, small_reference):
+    victim, survivor = duo
+    rng = random.Random(8)
+    requests = [rng.sample(SMALL, 2) for _ in range(60)]
+    completed = 0
+    signalled = asyncio.Event()
+    limit = asyncio.Semaphore(3)  # 3 x 2 items: within one encoder's queue of 8 once the other drains
+
+    async with EncoderReceiver([victim.url, survivor.url], timeout=60.0, seed=2) as rx:
+
+        async def one(i: int, images: list[bytes]) -> None:
+            nonlocal completed
+            async with limit:
+                result = await asyncio.wait_for(rx.encode(f"term-{i}", [{"data": d} for d in images]), 90)
+            assert_matches(result, images, small_reference)
+            completed += 1
+            if completed == 10:
+                victim.process.send_signal(signal.SIGTERM)
+                signalled.set()
+
+        await asyncio.gather(*(one(i, images) for i, images in enumerate(requests)))
+    assert signalled.is_set() and completed == 60
+    assert victim.process.wait(30) == 0
+    log = victim.log()
+    assert "draining" in log and "stopped" in log and "Traceback" not in log
+
+
+async def test_sigterm_drain_not_serving_at_once_new_calls_unavailable_running_call_finishes(duo):
+    (proc,) = [p for p in duo if healthy(p)][-1:]
+    # 8 items (the queue's limit) of 1024 tokens x 8 KiB: 64 MiB, far more than flow control lets through.
+    images = [image_bytes(896, 896, seed=40 + i) for i in range(8)]
+    target = proc.url.removeprefix("grpc://")
+    async with grpc.aio.insecure_channel(target) as running_channel, grpc.aio.insecure_channel(target) as probe_channel:
+        encode = running_channel.unary_stream(
+            f"/{SERVICE}/Encode", request_serializer=pb.EncodeRequest.SerializeToString, response_deserializer=pb.EncodeResponse.FromString
+        )
+        call = encode(pb.EncodeRequest(request_id="long", items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=d) for i, d in enumerate(images)]))
+        first = await call.read()  # running now; we stop reading, so flow control holds it open
+        assert first.WhichOneof("kind") == "header"
+        proc.process.send_signal(signal.SIGTERM)
+
+        health = health_pb2_grpc.HealthStub(probe_channel)
+        deadline = time.monotonic() + 5
+        while (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "health did not turn NOT_SERVING"
+            await asyncio.sleep(0.02)
+        new_call = probe_channel.unary_stream(f"/{SERVICE}/Encode", request_serializer=pb.EncodeRequest.SerializeToString)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in new_call(pb.EncodeRequest(request_id="late", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=images[0])]), timeout=5):
+                pass
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details() == "the encoder server is shutting down"
+
+        headers = [first.header]
+        while (message := await call.read()) is not grpc.aio.EOF:
+            if message.WhichOneof("kind") == "header":
+                headers.append(message.header)
+        assert await call.code() == grpc.StatusCode.OK
+        assert [h.index for h in headers] == list(range(8))
+    assert proc.process.wait(30) == 0
+
+
+# --- in-process life cycle: health, a dead forward worker, expired deadlines --------------------
+
+
+class WorkerKilled(BaseException):
+    """Stands in for what ends a thread outright rather than failing one batch."""
+
+
+class ControlledEncoder(VisionEncoder):
+    """The real tower, with switches: hold forwards at a gate, fail them, or kill the forward worker."""
+
+    def __init__(self, inner: VisionEncoder):
+        self.inner = inner
+        self.spec = inner.spec
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.images_forwarded = 0
+        self.fail_with: BaseException | None = None
+
+    def preprocess(self, image):
+        return self.inner.preprocess(image)
+
+    def encode(self, batch):
+        self.entered.set()
+        if self.fail_with is not None:
+            raise self.fail_with
+        assert self.gate.wait(30)
+        self.images_forwarded += len(batch)
+        return self.inner.encode(batch)
+
+
+@pytest.fixture(scope="module")
+def tower(default_model_dir):
+    return load_vision_encoder(default_model_dir, "cpu", torch.float32)
+
+
+async def health_status(url: str) -> int:
+    async with grpc.aio.insecure_channel(url.removeprefix("grpc://")) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)
+    return reply.status
+
+
+async def test_failed_warmup_never_serves(default_model_dir, tower):
+    from encoder_server.server import EncoderServer
+    from tests.support import server_config
+
+    encoder = ControlledEncoder(tower)
+    encoder.fail_with = RuntimeError("no device")
+    server = EncoderServer(server_config(default_model_dir), encoder=encoder)
+    with pytest.raises(RuntimeError, match="no device"):
+        await server.start()
+    assert server.port is None  # never bound, so never SERVING
+    assert not server._batcher.alive
+
+
+async def test_dead_forward_worker_turns_health_not_serving_and_calls_fail_over(default_model_dir, tower):
+    encoder = ControlledEncoder(tower)
+    async with running_server(default_model_dir, encoder=encoder) as doomed, running_server(default_model_dir) as spare:
+        assert await health_status(doomed.url) == health_pb2.HealthCheckResponse.SERVING
+        encoder.fail_with = WorkerKilled()
+        async with EncoderReceiver([doomed.url, spare.url], timeout=20.0, seed=0) as rx:
+            # The batch in flight when the worker dies fails with UNAVAILABLE (it does not hang), and
+            # its items move to the spare.
+            result = await rx.encode("dies", [{"data": image_bytes(56, 56, seed=i)} for i in range(4)], num_items_assigned=[4, 0])
+            assert {item.encoder_url for item in result.items} == {spare.url}
+            assert rx.healthy_urls() == [spare.url]
+        deadline = time.monotonic() + 5
+        while await health_status(doomed.url) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+
+async def test_server_drops_the_work_of_a_call_whose_deadline_passed(default_model_dir, tower):
+    encoder = ControlledEncoder(tower)
+    async with running_server(default_model_dir, encoder=encoder) as server:
+        warm = encoder.images_forwarded
+        encoder.gate.clear()
+        encoder.entered.clear()
+        async with EncoderReceiver([server.url], timeout=20.0) as rx:
+            holding = asyncio.create_task(rx.encode("holds-the-worker", [{"data": image_bytes(56, 56)}]))
+            await asyncio.to_thread(encoder.entered.wait, 10)
+            started = time.perf_counter()
+            with pytest.raises(EncodeFailedError) as raised:
+                await rx.encode("expires", [{"data": image_bytes(56, 84, seed=s)} for s in range(3)], timeout=0.5)
+            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.perf_counter() - started < 3.0
+            encoder.gate.set()
+            assert (await holding).items[0].num_tokens == 4
+            after = await rx.encode("after", [{"data": image_bytes(56, 56)}])
+            assert after.items[0].num_tokens == 4
+        # Forwards ran for the holding call and the one after, never for the expired call's 3 items.
+        assert encoder.images_forwarded - warm == 2
