@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, default=16384 * 16384, help="refuse larger images before decoding")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time for running calls on SIGTERM")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up forward before SERVING")
+    p.add_argument("--shm-transfer", action="store_true", help="hand payloads to receivers on this host through /dev/shm")
+    p.add_argument("--shm-max-bytes", type=int, default=512 << 20, help="shared-memory segments held at most; beyond, items go as chunks")
+    p.add_argument("--shm-release-timeout-s", type=float, default=30.0, help="take back a segment its receiver has not released by then")
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     from .batcher import BatchingConfig
     from .config import ServerConfig
     from .server import serve
+    from .shm import ShmConfig
 
     config = ServerConfig(
         model=args.model,
@@ -105,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         max_image_pixels=int(args.max_image_pixels),
         grace_seconds=float(args.grace_seconds),
         warmup=not args.no_warmup,
+        shm=ShmConfig(max_bytes=int(args.shm_max_bytes), release_timeout_s=float(args.shm_release_timeout_s))
+        if args.shm_transfer
+        else None,
     )
     try:
         asyncio.run(serve(config))

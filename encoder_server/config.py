@@ -8,6 +8,7 @@ import torch
 
 from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_IMAGE_PIXELS
+from .shm import ShmConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,3 +25,4 @@ class ServerConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     grace_seconds: float = 30.0
     warmup: bool = True
+    shm: ShmConfig | None = None  # the same-host shared-memory path (--shm-transfer); None: off

@@ -19,6 +19,7 @@ from .config import ServerConfig
 from .default_model import has_random_weights
 from .models import VisionEncoder, load_vision_encoder
 from .servicer import EncoderServicer, method_handlers
+from .shm import ShmSegments
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class EncoderServer:
         self._server: grpc.aio.Server | None = None
         self._batcher: Batcher | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self.shm: ShmSegments | None = None
 
     @property
     def address(self) -> str:
@@ -64,7 +66,10 @@ class EncoderServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights)
+        if config.shm is not None:
+            self.shm = ShmSegments(config.shm)
+            await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
+        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights, self.shm)
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -98,6 +103,8 @@ class EncoderServer:
         await self.health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds if grace is None else grace)
+        if self.shm is not None:
+            await self.shm.stop()
         if self._batcher is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._batcher.stop)
         if self._pool is not None:

@@ -8,6 +8,7 @@ from protos.errors import (
     EncoderError,
     InvalidItemError,
     OverloadedError,
+    SharedMemoryUnavailableError,
     UnavailableError,
     UnsupportedModalityError,
 )
@@ -16,6 +17,7 @@ from .client import EncoderReceiver
 from .errors import ShardError
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
+from .shm import TransferStats
 
 __all__ = [
     "DeadlineExceededError",
@@ -27,6 +29,8 @@ __all__ = [
     "OverloadedError",
     "Shard",
     "ShardError",
+    "SharedMemoryUnavailableError",
+    "TransferStats",
     "UnavailableError",
     "UnsupportedModalityError",
     "plan_shards",

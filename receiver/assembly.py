@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import numpy as np
 import torch
@@ -13,6 +13,7 @@ from protos import wire
 from protos.errors import EncoderError
 
 from .result import ItemResult
+from .shm import Placement
 
 
 class StreamProtocolError(EncoderError):
@@ -43,6 +44,13 @@ class ItemBuffer:
     def complete(self) -> bool:
         return self.filled == len(self._bytes)
 
+    def fill_from_shm(self, take: Callable[[pb.ItemHeader, np.ndarray], Placement]) -> Placement:
+        """Lets `take` read the whole payload from shared memory straight into the tensor."""
+        placement = take(self.header, self._bytes)
+        if placement is Placement.FILLED:
+            self.filled = len(self._bytes)
+        return placement
+
     def write(self, chunk: memoryview) -> None:
         end = self.filled + len(chunk)
         if end > len(self._bytes):
@@ -56,10 +64,17 @@ class ItemBuffer:
 class ShardAssembler:
     """Consumes one Encode stream's messages for a known set of item indices."""
 
-    def __init__(self, expected_indices: Collection[int], encoder_url: str):
+    def __init__(
+        self,
+        expected_indices: Collection[int],
+        encoder_url: str,
+        read_shm: Callable[[pb.ItemHeader, np.ndarray], Placement] | None = None,
+    ):
         self.expected = set(expected_indices)
         self.encoder_url = encoder_url
         self.items: dict[int, ItemResult] = {}
+        self.read_shm = read_shm
+        self.refetch: list[int] = []  # items whose shared-memory segment could not be used
         self._current: ItemBuffer | None = None
         self._started = time.perf_counter()
 
@@ -74,9 +89,12 @@ class ShardAssembler:
                 raise StreamProtocolError(
                     f"item {message.index} started before item {self._current.header.index} was complete"
                 )
-            if message.index not in self.expected or message.index in self.items:
+            if message.index not in self.expected or message.index in self.items or message.index in self.refetch:
                 raise StreamProtocolError(f"unexpected item index {message.index} in the stream")
             self._current = ItemBuffer(message)
+            if self.read_shm is not None and self._current.fill_from_shm(self.read_shm) is Placement.REFETCH:
+                self.refetch.append(message.index)
+                self._current = None
         if self._current is not None and self._current.complete:
             done = self._finish(self._current)
             self._current = None

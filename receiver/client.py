@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from protos import encoder_pb2 as pb
-from protos.errors import EncoderError
+from protos.errors import EncoderError, SharedMemoryUnavailableError
 
 from .assembly import ShardAssembler, StreamProtocolError
 from .channels import EncoderEndpoint
@@ -20,6 +20,7 @@ from .errors import ShardError
 from .items import ImageSource, check_image_only, read_image_bytes
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
+from .shm import ShmReceiver, TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class EncoderReceiver:
         timeout: float = DEFAULT_TIMEOUT_S,
         seed: int | None = None,
         file_roots: Sequence[str | Path] | None = None,
+        transfer: str = "auto",
     ):
         """
         Args:
@@ -47,6 +49,9 @@ class EncoderReceiver:
             timeout: default deadline of one `encode` call, in seconds.
             seed: seeds the random sharding (for tests and reproducible runs).
             file_roots: directories `file://` items may be read from; None allows any path.
+            transfer: how payloads travel. "auto": through shared memory from encoders that prove
+                they share this host (started with --shm-transfer), the gRPC stream otherwise;
+                "shm": shared memory or SharedMemoryUnavailableError; "grpc": the stream only.
         """
         if not urls:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
@@ -55,6 +60,7 @@ class EncoderReceiver:
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self._rng = random.Random(seed)
         self._endpoints = [EncoderEndpoint.connect(url) for url in self.urls]
+        self._shm = ShmReceiver.for_transfer(transfer)
 
     async def __aenter__(self) -> EncoderReceiver:
         return self
@@ -64,6 +70,13 @@ class EncoderReceiver:
 
     async def close(self) -> None:
         await asyncio.gather(*(endpoint.close() for endpoint in self._endpoints))
+        if self._shm is not None:
+            self._shm.close()
+
+    @property
+    def transfer_stats(self) -> TransferStats:
+        """Items that came through shared memory, and why others fell back to the stream."""
+        return self._shm.stats if self._shm is not None else TransferStats()
 
     async def model_info(self) -> dict[str, pb.ModelInfo]:
         """Each encoder's ModelInfo, by URL."""
@@ -110,15 +123,18 @@ class EncoderReceiver:
         sources: Sequence[ImageSource],
         results: dict[int, ItemResult],
         timeout: float,
+        offer_shm: bool = True,
     ) -> None:
         endpoint = self._endpoints[shard.encoder]
         shard_sources = [sources[i] for i in shard.items]
         indices = [s.index for s in shard_sources]
+        shm = self._shm if offer_shm else None
         request = pb.EncodeRequest(
             request_id=request_id,
             items=[pb.ImageItem(index=s.index, modality=pb.IMAGE, data=s.data) for s in shard_sources],
+            shm=shm.offer() if shm is not None else None,
         )
-        assembler = ShardAssembler(indices, endpoint.url)
+        assembler = ShardAssembler(indices, endpoint.url, shm.reader(request_id) if shm is not None else None)
         call = endpoint.encode(request, timeout=timeout)
         try:
             async for message in call:
@@ -133,12 +149,15 @@ class EncoderReceiver:
                 code=exc.code(),
                 message=exc.details() or "",
             ) from None
-        except StreamProtocolError as exc:
+        except (StreamProtocolError, SharedMemoryUnavailableError) as exc:
             call.cancel()
             raise ShardError(
                 encoder_url=endpoint.url, request_id=request_id, item_indices=assembler.missing(), code=None, message=str(exc)
             ) from None
-        missing = assembler.missing()
+        if assembler.refetch:  # their segments could not be read: the same items again, over the stream
+            refetch = Shard(shard.encoder, tuple(assembler.refetch))
+            await self._run_shard(request_id, refetch, sources, results, timeout, offer_shm=False)
+        missing = [i for i in assembler.missing() if i not in results]
         if missing:
             raise ShardError(
                 encoder_url=endpoint.url,
