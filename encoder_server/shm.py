@@ -22,9 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from protos import encoder_pb2 as pb
+from protos import wire
 from protos.shm import (
     HEADER_BYTES,
     SERVER_KIND,
@@ -86,7 +88,7 @@ class _Segment:
             self.path.unlink(missing_ok=True)
             raise
         self.fd = fd
-        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self.public: Path | None = None  # the announced name while a receiver has not released it
         self.placed_at = 0.0
         self.last_used = time.monotonic()
@@ -99,9 +101,9 @@ class _Segment:
         self._map[:HEADER_BYTES] = bytes(HEADER_BYTES)
         offset = HEADER_BYTES
         for part in parts:
-            flat = part.detach().contiguous().view(torch.uint8).reshape(-1)
-            self.bytes[offset : offset + flat.numel()].copy_(flat)
-            offset += flat.numel()
+            flat = np.frombuffer(wire.tensor_bytes(part), dtype=np.uint8)
+            np.copyto(self.bytes[offset : offset + len(flat)], flat)  # one memcpy, into pages already there
+            offset += len(flat)
         self._map[:HEADER_BYTES] = header
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from protos import encoder_pb2 as pb
 from protos import wire
 from protos.errors import EncoderError
 
+from .buffers import POOL
 from .result import ItemResult
 from .shm import Placement
 
@@ -36,7 +37,7 @@ class ItemBuffer:
             )
         self.header = header
         self.dtype = dtype
-        self.tensor = torch.empty((layers, header.num_tokens, header.hidden_size), dtype=dtype)
+        self.tensor = POOL.empty((layers, header.num_tokens, header.hidden_size), dtype)
         self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
         self.filled = 0
 

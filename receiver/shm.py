@@ -6,11 +6,12 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import mmap
 import os
 import secrets
 import stat
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,9 @@ from protos.shm import (
 log = logging.getLogger(__name__)
 
 TRANSFERS = ("auto", "grpc", "shm")
+
+# Server pool segments kept mapped; more than a server's pool ever holds at the default budget.
+_MAX_MAPPINGS = 64
 
 
 class Placement(enum.Enum):
@@ -64,9 +68,33 @@ class _Refused(Exception):
         super().__init__(detail)
 
 
-def _remove_probe(path: Path, fd: int) -> None:
+class _Mapping:
+    """A server's pool segment, mapped read-only once and reused for every item announced in it:
+    mapping a segment costs about as much as copying it, and the server reuses its segments."""
+
+    def __init__(self, fd: int, size: int):
+        self.size = size
+        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        self.fd = os.dup(fd)
+
+    def dropped(self) -> bool:
+        """The server gave the segment up: only this mapping keeps its memory."""
+        return os.fstat(self.fd).st_nlink == 0
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a view still uses it: the mapping goes with that view
+        os.close(self.fd)
+
+
+def _release(path: Path, fd: int, mappings: dict[tuple[int, int], _Mapping]) -> None:
     path.unlink(missing_ok=True)
     os.close(fd)
+    for mapping in mappings.values():
+        mapping.close()
+    mappings.clear()
 
 
 class ShmReceiver:
@@ -82,7 +110,8 @@ class ShmReceiver:
         if not hasattr(os, "O_TMPFILE"):
             raise OSError(f"no O_TMPFILE on {os.uname().sysname}")
         fd = create_locked(self.directory / self.probe, self._token)
-        self._finalizer = weakref.finalize(self, _remove_probe, self.directory / self.probe, fd)
+        self._mappings: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()  # by (st_dev, st_ino)
+        self._finalizer = weakref.finalize(self, _release, self.directory / self.probe, fd, self._mappings)
         self.stats = TransferStats()
 
     @classmethod
@@ -164,36 +193,56 @@ class ShmReceiver:
         except OSError as exc:
             raise _Refused("read_failed", f"{name}: {exc}") from None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise _Refused("not_private", f"{name} is not a file of this user's, readable by it alone")
-            if st.st_size < HEADER_BYTES + len(into):
-                raise _Refused("size_mismatch", f"{name} holds {st.st_size} bytes, the stream announced {len(into)}")
-            if os.pread(fd, HEADER_BYTES, 0) != expected_header:
-                raise _Refused("header_mismatch", f"{name}'s header does not match the stream's")
-            _read_exactly(fd, memoryview(into), HEADER_BYTES)
-            # The server zeroes the header before reusing a segment: a reader it overtook sees that.
-            if os.pread(fd, HEADER_BYTES, 0) != expected_header:
-                raise _Refused("overwritten", f"{name} was taken back while being read")
-        except OSError as exc:
-            raise _Refused("read_failed", f"{name}: {exc}") from None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                    raise _Refused("not_private", f"{name} is not a file of this user's, readable by it alone")
+                if st.st_size < HEADER_BYTES + len(into):
+                    raise _Refused("size_mismatch", f"{name} holds {st.st_size} bytes, the stream announced {len(into)}")
+                mapping = self._mapping(fd, st)
+            except OSError as exc:
+                raise _Refused("read_failed", f"{name}: {exc}") from None
+            finally:
+                os.close(fd)
+            refused = _copy_checked(mapping.map, expected_header, into)
+            if refused == "header_mismatch":
+                raise _Refused(refused, f"{name}'s header does not match the stream's")
+            if refused == "overwritten":
+                raise _Refused(refused, f"{name} was taken back while being read")
         finally:
-            os.close(fd)
             try:
                 path.unlink()  # releases the segment to the server, used or refused
             except OSError:
                 pass
 
+    def _mapping(self, fd: int, st: os.stat_result) -> _Mapping:
+        key = (st.st_dev, st.st_ino)
+        mapping = self._mappings.pop(key, None)
+        if mapping is None or mapping.size != st.st_size:
+            if mapping is not None:
+                mapping.close()
+            for old in [k for k, m in self._mappings.items() if m.dropped()]:
+                self._mappings.pop(old).close()
+            mapping = _Mapping(fd, st.st_size)
+        self._mappings[key] = mapping  # most recently used last
+        while len(self._mappings) > _MAX_MAPPINGS:
+            self._mappings.popitem(last=False)[1].close()
+        return mapping
+
+
+
+def _copy_checked(segment: mmap.mmap, expected_header: bytes, into: np.ndarray) -> str | None:
+    """Copies the payload when the header matches before and after; else says which check failed.
+
+    Returns rather than raises, so that no traceback keeps a view of the mapping alive.
+    """
+    view = np.frombuffer(segment, dtype=np.uint8)
+    if view[:HEADER_BYTES].tobytes() != expected_header:
+        return "header_mismatch"
+    np.copyto(into, view[HEADER_BYTES : HEADER_BYTES + len(into)])
+    # The server zeroes the header before reusing a segment: a reader it overtook sees that.
+    return "overwritten" if view[:HEADER_BYTES].tobytes() != expected_header else None
 
 
 def _reason(fallback: pb.ShmFallback) -> str:
     return pb.ShmFallback.Name(fallback).removeprefix("SHM_").lower()
-
-
-def _read_exactly(fd: int, into: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(into):
-        n = os.preadv(fd, [into[done:]], offset + done)
-        if n == 0:
-            raise _Refused("size_mismatch", "the segment ended early")
-        done += n

@@ -20,6 +20,7 @@ from encoder_server.shm import ShmConfig
 from protos import encoder_pb2 as pb
 from protos.shm import SERVER_KIND, SHM_DIR, create_locked, item_proof, new_instance, random_name, segment_header, sweep_stale
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
+from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
 from receiver.shm import Placement, ShmReceiver
 from tests.support import REPO_ROOT, FixedSizeEncoder, image_bytes, running_server, server_process
@@ -269,6 +270,7 @@ RECEIVER_SCRIPT = """
 import asyncio, io, sys
 from PIL import Image
 from protos import encoder_pb2 as pb
+from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
 from receiver.shm import ShmReceiver
 
@@ -460,3 +462,27 @@ async def test_refused_segments_are_fetched_again_over_the_stream(shm_server, mo
     assert_same_bytes(got, want)
     assert stats.items_shm == 0 and stats.fallbacks == {"header_mismatch": 3}
     assert await wait_until(lambda: segments_of(shm_server.shm.instance) == [])
+
+
+def test_receive_buffers_are_reused_only_once_every_view_is_gone():
+    pool = BufferPool(max_idle_bytes=12 << 20)
+    small = pool.empty((4, 8), torch.bfloat16)
+    assert pool.idle_bytes == 0 and small.numel() == 32  # small ones are left to malloc
+    shape = (2, 600, 2048)  # 4.9 MB of bf16
+    tensor = pool.empty(shape, torch.bfloat16)
+    tensor.fill_(1.5)
+    address = tensor.data_ptr()
+    embedding, deepstack = tensor[0], tensor[1:]  # what an ItemResult keeps
+    del tensor, embedding
+    assert pool.idle_bytes == 0  # deepstack still uses the memory
+    other = pool.empty(shape, torch.bfloat16)
+    assert other.data_ptr() != address and bool((deepstack == 1.5).all())
+    del deepstack
+    assert pool.idle_bytes == 6 << 20  # rounded up to whole huge pages
+    again = pool.empty(shape, torch.bfloat16)
+    assert again.data_ptr() == address and pool.idle_bytes == 0
+    del other, again
+    assert pool.idle_bytes == 12 << 20
+    extra = [pool.empty(shape, torch.bfloat16) for _ in range(3)]
+    del extra
+    assert pool.idle_bytes == 12 << 20  # the third buffer over the bound is unmapped
