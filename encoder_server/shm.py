@@ -75,12 +75,15 @@ class ShmStats:
 class _Segment:
     """One pool file, mapped read-write for the server's whole life."""
 
-    def __init__(self, directory: Path, instance: str, capacity: int):
+    def __init__(self, directory: Path, instance: str, capacity: int, owner: int):
         self.path = directory / random_name(instance, "pool")
         self.capacity = capacity
+        self.owner = owner
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask
+            if owner != os.geteuid():
+                os.fchown(fd, owner, -1)  # a root server serving another user's receiver
             os.posix_fallocate(fd, 0, capacity)
             self._map = mmap.mmap(fd, capacity)
         except BaseException:
@@ -187,28 +190,28 @@ class ShmSegments:
     def place(
         self, header: pb.ItemHeader, parts: Sequence[torch.Tensor], token: bytes, owner: int, request_id: str
     ) -> _Segment | None:
-        """Writes the payload into a segment and fills `header.shm`; None: it goes as chunks."""
-        fallback = pb.SHM_BUDGET_FULL
+        """Writes the payload into a segment of `owner`'s and fills `header.shm`; None: it goes as chunks."""
         try:
-            segment = self._acquire(HEADER_BYTES + header.payload_bytes)
-            if segment is not None:
-                public = self.directory / random_name(self.instance, "seg")
-                proof = item_proof(token, request_id, header.index, public.name, header.payload_bytes)
-                if os.fstat(segment.fd).st_uid != owner:
-                    os.fchown(segment.fd, owner, -1)  # a root server serving another user's receiver
-                segment.write(segment_header(header, proof), parts)
-                os.link(segment.path, public)
-                segment.public, segment.placed_at = public, time.monotonic()
-                header.shm.segment, header.shm.proof = public.name, proof
-                self.stats.items += 1
-                self.stats.bytes += header.payload_bytes
-                return segment
+            segment = self._acquire(HEADER_BYTES + header.payload_bytes, owner)
+            if segment is None:
+                return self._as_chunks(header, pb.SHM_BUDGET_FULL, token, request_id)
+            public = self.directory / random_name(self.instance, "seg")
+            proof = item_proof(token, request_id, header.index, public.name, header.payload_bytes)
+            segment.write(segment_header(header, proof), parts)
+            os.link(segment.path, public)
         except OSError as exc:
-            fallback = pb.SHM_WRITE_FAILED
             self._warn_once(exc.strerror or str(exc), "shared-memory segment failed (%s); items go as chunks", exc)
-        self.fallback(header, fallback)
+            return self._as_chunks(header, pb.SHM_WRITE_FAILED, token, request_id)
+        segment.public, segment.placed_at = public, time.monotonic()
+        header.shm.segment, header.shm.proof = public.name, proof
+        self.stats.items += 1
+        self.stats.bytes += header.payload_bytes
+        return segment
+
+    def _as_chunks(self, header: pb.ItemHeader, reason: pb.ShmFallback, token: bytes, request_id: str) -> None:
+        """The item follows as chunks; the proof still shows the receiver this server read its probe."""
+        self.fallback(header, reason)
         header.shm.proof = item_proof(token, request_id, header.index, "", header.payload_bytes)
-        return None
 
     def fallback(self, header: pb.ItemHeader, reason: pb.ShmFallback) -> None:
         header.shm.fallback = reason
@@ -223,13 +226,14 @@ class ShmSegments:
         else:
             self.stats.released += 1
 
-    def _acquire(self, size: int) -> _Segment | None:
-        now = time.monotonic()
-        self._collect(now)
+    def _acquire(self, size: int, owner: int) -> _Segment | None:
+        free = self._free_fitting(size, owner)
+        if not free:
+            self._collect(time.monotonic())  # an fstat per announced segment: only when it may help
+            free = self._free_fitting(size, owner)
+        if free:
+            return min(free, key=lambda s: s.capacity)
         free = [s for s in self._segments if s.public is None]
-        fitting = [s for s in free if s.capacity >= size]
-        if fitting:
-            return min(fitting, key=lambda s: s.capacity)
         capacity = -(-size // _GRANULE) * _GRANULE
         if capacity > self.config.max_bytes:
             return None
@@ -238,10 +242,15 @@ class ShmSegments:
             self._drop(free.pop(0))
         if self.pool_bytes + capacity > self.config.max_bytes:
             return None
-        segment = _Segment(self.directory, self.instance, capacity)
+        segment = _Segment(self.directory, self.instance, capacity, owner)
         self._segments.append(segment)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.pool_bytes)
         return segment
+
+    def _free_fitting(self, size: int, owner: int) -> list[_Segment]:
+        # Never across owners: a receiver keeps the segments it read mapped, so a segment handed to
+        # another user would show that user's embeddings to the first.
+        return [s for s in self._segments if s.public is None and s.capacity >= size and s.owner == owner]
 
     def _collect(self, now: float) -> int:
         """Frees segments their receiver released or that timed out; returns how many stay announced."""

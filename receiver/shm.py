@@ -10,6 +10,7 @@ import mmap
 import os
 import secrets
 import stat
+import time
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -39,6 +40,8 @@ TRANSFERS = ("auto", "grpc", "shm")
 
 # Server pool segments kept mapped; more than a server's pool ever holds at the default budget.
 _MAX_MAPPINGS = 64
+# How often reading lets go of mappings whose segment the server gave up (its memory is ours alone then).
+_FORGET_DROPPED_S = 1.0
 
 
 class Placement(enum.Enum):
@@ -111,6 +114,7 @@ class ShmReceiver:
             raise OSError(f"no O_TMPFILE on {os.uname().sysname}")
         fd = create_locked(self.directory / self.probe, self._token)
         self._mappings: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()  # by (st_dev, st_ino)
+        self._dropped_checked = time.monotonic()
         self._finalizer = weakref.finalize(self, _release, self.directory / self.probe, fd, self._mappings)
         self.stats = TransferStats()
 
@@ -218,11 +222,14 @@ class ShmReceiver:
     def _mapping(self, fd: int, st: os.stat_result) -> _Mapping:
         key = (st.st_dev, st.st_ino)
         mapping = self._mappings.pop(key, None)
+        now = time.monotonic()
+        if mapping is None or now - self._dropped_checked > _FORGET_DROPPED_S:
+            self._dropped_checked = now
+            for old in [k for k, m in self._mappings.items() if m.dropped()]:
+                self._mappings.pop(old).close()
         if mapping is None or mapping.size != st.st_size:
             if mapping is not None:
                 mapping.close()
-            for old in [k for k, m in self._mappings.items() if m.dropped()]:
-                self._mappings.pop(old).close()
             mapping = _Mapping(fd, st.st_size)
         self._mappings[key] = mapping  # most recently used last
         while len(self._mappings) > _MAX_MAPPINGS:

@@ -16,7 +16,7 @@ import torch
 
 import encoder_server.shm
 from encoder_server.batcher import BatchingConfig
-from encoder_server.shm import ShmConfig
+from encoder_server.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
 from protos.shm import SERVER_KIND, SHM_DIR, create_locked, item_proof, new_instance, random_name, segment_header, sweep_stale
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
@@ -486,3 +486,26 @@ def test_receive_buffers_are_reused_only_once_every_view_is_gone():
     extra = [pool.empty(shape, torch.bfloat16) for _ in range(3)]
     del extra
     assert pool.idle_bytes == 12 << 20  # the third buffer over the bound is unmapped
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving segments to another user needs root")
+async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers(tmp_path):
+    segments = ShmSegments(ShmConfig(directory=tmp_path))
+    await segments.start()
+    payload = torch.arange(1024, dtype=torch.float32)
+    try:
+
+        def place(owner: int) -> tuple[int, int]:
+            header = pb.ItemHeader(index=0, num_tokens=1, hidden_size=1024, dtype=pb.FLOAT32, payload_bytes=4096)
+            assert segments.place(header, [payload], b"t" * 32, owner, "req") is not None
+            st = os.stat(tmp_path / header.shm.segment)
+            (tmp_path / header.shm.segment).unlink()  # released, as a receiver does
+            return st.st_ino, st.st_uid
+
+        first = place(NOBODY)
+        assert first[1] == NOBODY
+        assert place(0) != first  # a free segment of nobody's is not handed to root
+        assert place(NOBODY) == first  # but is reused for nobody
+    finally:
+        await segments.stop()
+    assert os.listdir(tmp_path) == []
