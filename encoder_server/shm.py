@@ -51,6 +51,8 @@ _GRANULE = 2 << 20
 class ShmConfig:
     # Bytes of segments held at most, announced or kept warm for reuse; beyond, items go as chunks.
     max_bytes: int = 512 << 20
+    # Smaller payloads go as chunks: a segment's syscalls on both sides cost more than one message.
+    min_bytes: int = 64 << 10
     # An announced segment its receiver has not released by then is taken back (the receiver died).
     release_timeout_s: float = 30.0
     # A warm segment unused this long is given back to the OS.
@@ -191,6 +193,8 @@ class ShmSegments:
         self, header: pb.ItemHeader, parts: Sequence[torch.Tensor], token: bytes, owner: int, request_id: str
     ) -> _Segment | None:
         """Writes the payload into a segment of `owner`'s and fills `header.shm`; None: it goes as chunks."""
+        if header.payload_bytes < self.config.min_bytes:
+            return self._as_chunks(header, pb.SHM_SMALL_ITEM, token, request_id)
         try:
             segment = self._acquire(HEADER_BYTES + header.payload_bytes, owner)
             if segment is None:

@@ -28,6 +28,7 @@ class ShmFallback(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHM_PROBE_UNREADABLE: _ClassVar[ShmFallback]
     SHM_BUDGET_FULL: _ClassVar[ShmFallback]
     SHM_WRITE_FAILED: _ClassVar[ShmFallback]
+    SHM_SMALL_ITEM: _ClassVar[ShmFallback]
 MODALITY_UNSPECIFIED: Modality
 IMAGE: Modality
 VIDEO: Modality
@@ -41,6 +42,7 @@ SHM_DISABLED: ShmFallback
 SHM_PROBE_UNREADABLE: ShmFallback
 SHM_BUDGET_FULL: ShmFallback
 SHM_WRITE_FAILED: ShmFallback
+SHM_SMALL_ITEM: ShmFallback
 
 class ImageItem(_message.Message):
     __slots__ = ("index", "modality", "data", "url", "content_sha256")

@@ -152,6 +152,16 @@ def image() -> bytes:
     return buf.getvalue()
 
 
+async def one_item_latency(rx: EncoderReceiver, calls: int) -> float:
+    """Median seconds of a call carrying one item, from encode() to its tensor."""
+    latencies = []
+    for i in range(calls):
+        begun = time.perf_counter()
+        await rx.encode(f"one-{i}", [{"data": image()}])
+        latencies.append(time.perf_counter() - begun)
+    return statistics.median(latencies)
+
+
 async def measure_encoder(url: str, transfer: str, nbytes: int, items_per_call: int, calls: int) -> dict:
     """Throughput of calls carrying several items, and the latency of one-item calls."""
     items = [{"data": image()}] * items_per_call
@@ -163,15 +173,21 @@ async def measure_encoder(url: str, transfer: str, nbytes: int, items_per_call: 
             result = await rx.encode(f"bulk-{i}", items)
         elapsed = time.perf_counter() - started
         assert result.items[0].embedding.numel() * 2 == nbytes
-        latencies = []
-        for i in range(calls * 2):
-            begun = time.perf_counter()
-            await rx.encode(f"one-{i}", items[:1])
-            latencies.append(time.perf_counter() - begun)
+        latency = await one_item_latency(rx, calls * 2)
         stats = rx.transfer_stats
     if transfer == "shm":
         assert stats.items_grpc == 0, f"shared memory fell back: {dict(stats.fallbacks)}"
-    return {"bytes_per_s": calls * items_per_call * nbytes / elapsed, "latency_s": statistics.median(latencies)}
+    return {"bytes_per_s": calls * items_per_call * nbytes / elapsed, "latency_s": latency}
+
+
+async def call_floor(url: str) -> dict[str, float]:
+    """One-item latency with a 4 KiB payload: what every call costs whatever carries the bytes."""
+    floor = {}
+    for transfer in ("grpc", "shm"):
+        async with EncoderReceiver([url], transfer=transfer) as rx:
+            await one_item_latency(rx, 3)
+            floor[transfer] = await one_item_latency(rx, 30)
+    return floor
 
 
 def run_size(size_mib: int, rounds: int) -> dict:
@@ -208,7 +224,9 @@ def main() -> int:
         f"{'item':>6} | GB/s: {'memcpy':>6} {'zmq':>6} {'zmq-view':>8} {'grpc':>6} {'shm':>6}"
         f" | shm/zmq shm/zmq-view shm/memcpy shm/grpc | 1-item ms: {'grpc':>6} {'shm':>6} shm/grpc"
     )
-    results = {}
+    with fixed_server(1) as url:
+        floor = asyncio.run(call_floor(url))
+    results = {"floor_latency_s": floor}
     goals_met = True
     for size in args.sizes_mib:
         r = run_size(size, args.rounds)
@@ -230,6 +248,7 @@ def main() -> int:
         goals_met &= (
             ratios["shm_over_zmq"] >= 2 and ratios["shm_over_memcpy"] >= 0.3 and ratios["latency_shm_over_grpc"] <= 0.5
         )
+    print(f"per-call floor (one 4 KiB item): grpc {floor['grpc'] * 1e3:.1f} ms, shm {floor['shm'] * 1e3:.1f} ms")
     print(
         "goals (shm >= 2x zmq as SGLang receives, >= 30% of memcpy, 1-item latency <= 0.5x grpc): "
         + ("met" if goals_met else "NOT met")

@@ -67,10 +67,10 @@ def assert_same_bytes(got, want) -> None:
             assert torch.equal(a.deepstack.view(torch.uint8), b.deepstack.view(torch.uint8))
 
 
-def offer_request(request_id: str, shm: ShmReceiver, n: int) -> pb.EncodeRequest:
+def offer_request(request_id: str, shm: ShmReceiver, n: int, width: int = 8) -> pb.EncodeRequest:
     return pb.EncodeRequest(
         request_id=request_id,
-        items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=image_bytes(8 + i, 8)) for i in range(n)],
+        items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=image_bytes(width + i, width)) for i in range(n)],
         shm=shm.offer(),
     )
 
@@ -99,8 +99,8 @@ async def plain_server(default_model_dir):
 async def test_real_model_results_are_byte_identical_to_the_grpc_stream(default_model_dir):
     # One image per forward, so both runs compute each item alike; 700x700 is 625 tokens x 2048 fp32 = 5.1 MB.
     images = [{"data": image_bytes(w, h, seed=w)} for w, h in [(28, 28), (640, 480), (700, 700)]]
-    async with running_server(
-        default_model_dir, shm=ShmConfig(), batching=BatchingConfig(max_batch_images=1)
+    async with running_server(  # min_bytes=0: the 32 KiB item through a segment too
+        default_model_dir, shm=ShmConfig(min_bytes=0), batching=BatchingConfig(max_batch_images=1)
     ) as server:
         async with EncoderReceiver([server.url], transfer="shm") as rx:
             over_shm = await rx.encode("shm", images)
@@ -336,7 +336,8 @@ async def test_server_sigkill_leaves_files_that_receivers_and_the_next_server_re
         shm = ShmReceiver(strict=True)
         endpoint = EncoderEndpoint.connect(launched.url)
         try:
-            header = await endpoint.encode(offer_request("left", shm, 2), timeout=60).read()
+            # 224x224 is 64 tokens x 2048 bf16: 256 KiB, well over the server's min_bytes
+            header = await endpoint.encode(offer_request("left", shm, 2, width=224), timeout=60).read()
             launched.process.send_signal(signal.SIGKILL)
             launched.process.wait(timeout=30)
         finally:
@@ -490,7 +491,7 @@ def test_receive_buffers_are_reused_only_once_every_view_is_gone():
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving segments to another user needs root")
 async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers(tmp_path):
-    segments = ShmSegments(ShmConfig(directory=tmp_path))
+    segments = ShmSegments(ShmConfig(directory=tmp_path, min_bytes=0))
     await segments.start()
     payload = torch.arange(1024, dtype=torch.float32)
     try:
@@ -509,3 +510,13 @@ async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers
     finally:
         await segments.stop()
     assert os.listdir(tmp_path) == []
+
+
+async def test_small_payloads_go_as_chunks(default_model_dir):
+    tiny = FixedSizeEncoder(4, num_deepstack_layers=0)  # 16 KiB
+    async with running_server(default_model_dir, encoder=tiny, shm=ShmConfig()) as server:
+        async with EncoderReceiver([server.url], transfer="shm") as rx:  # proven, so no error
+            result = await rx.encode("tiny", items(2))
+            assert rx.transfer_stats.fallbacks == {"small_item": 2}
+        assert server.shm.stats.items == 0 and server.shm.pool_bytes == 0
+    assert torch.equal(result.items[1].embedding, tiny.output(9).embedding)
