@@ -152,18 +152,8 @@ def image() -> bytes:
     return buf.getvalue()
 
 
-async def one_item_latency(rx: EncoderReceiver, calls: int) -> float:
-    """Median seconds of a call carrying one item, from encode() to its tensor."""
-    latencies = []
-    for i in range(calls):
-        begun = time.perf_counter()
-        await rx.encode(f"one-{i}", [{"data": image()}])
-        latencies.append(time.perf_counter() - begun)
-    return statistics.median(latencies)
-
-
-async def measure_encoder(url: str, transfer: str, nbytes: int, items_per_call: int, calls: int) -> dict:
-    """Throughput of calls carrying several items, and the latency of one-item calls."""
+async def measure_throughput(url: str, transfer: str, nbytes: int, items_per_call: int, calls: int) -> float:
+    """Bytes per second of calls carrying several items each."""
     items = [{"data": image()}] * items_per_call
     async with EncoderReceiver([url], transfer=transfer) as rx:
         for _ in range(2):
@@ -173,21 +163,28 @@ async def measure_encoder(url: str, transfer: str, nbytes: int, items_per_call: 
             result = await rx.encode(f"bulk-{i}", items)
         elapsed = time.perf_counter() - started
         assert result.items[0].embedding.numel() * 2 == nbytes
-        latency = await one_item_latency(rx, calls * 2)
-        stats = rx.transfer_stats
-    if transfer == "shm":
-        assert stats.items_grpc == 0, f"shared memory fell back: {dict(stats.fallbacks)}"
-    return {"bytes_per_s": calls * items_per_call * nbytes / elapsed, "latency_s": latency}
+        check_no_fallback(rx)
+    return calls * items_per_call * nbytes / elapsed
 
 
-async def call_floor(url: str) -> dict[str, float]:
-    """One-item latency with a 4 KiB payload: what every call costs whatever carries the bytes."""
-    floor = {}
-    for transfer in ("grpc", "shm"):
-        async with EncoderReceiver([url], transfer=transfer) as rx:
-            await one_item_latency(rx, 3)
-            floor[transfer] = await one_item_latency(rx, 30)
-    return floor
+async def measure_latency(url: str, calls: int) -> dict[str, float]:
+    """Median seconds of a one-item call, encode() to tensor; the transfers take turns call by call,
+    so that a noisy machine slows both alike."""
+    latencies: dict[str, list[float]] = {"grpc": [], "shm": []}
+    async with EncoderReceiver([url], transfer="grpc") as grpc_rx, EncoderReceiver([url], transfer="shm") as shm_rx:
+        for i in range(3 + calls):
+            for transfer, rx in (("grpc", grpc_rx), ("shm", shm_rx)):
+                begun = time.perf_counter()
+                await rx.encode(f"one-{i}", [{"data": image()}])
+                if i >= 3:  # after warm-up
+                    latencies[transfer].append(time.perf_counter() - begun)
+        check_no_fallback(shm_rx)
+    return {transfer: statistics.median(values) for transfer, values in latencies.items()}
+
+
+def check_no_fallback(rx: EncoderReceiver) -> None:
+    stats = rx.transfer_stats
+    assert stats.items_grpc == 0 or stats.fallbacks.keys() == {"small_item"}, dict(stats.fallbacks)
 
 
 def run_size(size_mib: int, rounds: int) -> dict:
@@ -202,9 +199,10 @@ def run_size(size_mib: int, rounds: int) -> dict:
             rows["zmq"].append(measure_zmq(nbytes, calls * items_per_call, clone=True))
             rows["zmq_view"].append(measure_zmq(nbytes, calls * items_per_call, clone=False))
             for transfer in ("grpc", "shm"):
-                measured = asyncio.run(measure_encoder(url, transfer, nbytes, items_per_call, calls))
-                rows[transfer].append(measured["bytes_per_s"])
-                rows[f"{transfer}_latency"].append(measured["latency_s"])
+                rows[transfer].append(asyncio.run(measure_throughput(url, transfer, nbytes, items_per_call, calls)))
+            latency = asyncio.run(measure_latency(url, 15))
+            for transfer, seconds in latency.items():
+                rows[f"{transfer}_latency"].append(seconds)
     return {name: statistics.median(values) for name, values in rows.items()}
 
 
@@ -224,8 +222,8 @@ def main() -> int:
         f"{'item':>6} | GB/s: {'memcpy':>6} {'zmq':>6} {'zmq-view':>8} {'grpc':>6} {'shm':>6}"
         f" | shm/zmq shm/zmq-view shm/memcpy shm/grpc | 1-item ms: {'grpc':>6} {'shm':>6} shm/grpc"
     )
-    with fixed_server(1) as url:
-        floor = asyncio.run(call_floor(url))
+    with fixed_server(1) as url:  # 4 KiB: what every call costs, whatever carries the bytes
+        floor = asyncio.run(measure_latency(url, 30))
     results = {"floor_latency_s": floor}
     goals_met = True
     for size in args.sizes_mib:
