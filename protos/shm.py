@@ -98,6 +98,8 @@ def create_locked(path: Path, content: bytes = b"") -> int:
     The file is written and locked while it has no name (O_TMPFILE) and only then linked in, so no
     sweep can ever find it unlocked or half written.
     """
+    if not hasattr(os, "O_TMPFILE"):
+        raise OSError(errno.ENOTSUP, f"no O_TMPFILE on {os.uname().sysname}")
     fd = os.open(path.parent, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     directory = None
     try:

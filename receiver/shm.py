@@ -110,8 +110,6 @@ class ShmReceiver:
         sweep_stale(self.directory)  # what dead encoders and receivers left on this host
         self.probe = f"{new_instance(RECEIVER_KIND)}.probe"
         self._token = secrets.token_bytes(TOKEN_BYTES)
-        if not hasattr(os, "O_TMPFILE"):
-            raise OSError(f"no O_TMPFILE on {os.uname().sysname}")
         fd = create_locked(self.directory / self.probe, self._token)
         self._mappings: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()  # by (st_dev, st_ino)
         self._dropped_checked = time.monotonic()
