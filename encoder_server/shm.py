@@ -204,7 +204,9 @@ class ShmSegments:
             segment.write(segment_header(header, proof), parts)
             os.link(segment.path, public)
         except OSError as exc:
-            self._warn_once(exc.strerror or str(exc), "shared-memory segment failed (%s); items go as chunks", exc)
+            self._warn_once(
+                exc.strerror or str(exc), "shared-memory segment failed (%s); items go as chunks", exc
+            )
             return self._as_chunks(header, pb.SHM_WRITE_FAILED, token, request_id)
         segment.public, segment.placed_at = public, time.monotonic()
         header.shm.segment, header.shm.proof = public.name, proof
@@ -212,7 +214,9 @@ class ShmSegments:
         self.stats.bytes += header.payload_bytes
         return segment
 
-    def _as_chunks(self, header: pb.ItemHeader, reason: pb.ShmFallback, token: bytes, request_id: str) -> None:
+    def _as_chunks(
+        self, header: pb.ItemHeader, reason: pb.ShmFallback, token: bytes, request_id: str
+    ) -> None:
         """The item follows as chunks; the proof still shows the receiver this server read its probe."""
         self.fallback(header, reason)
         header.shm.proof = item_proof(token, request_id, header.index, "", header.payload_bytes)
@@ -292,7 +296,9 @@ class ShmSegments:
     def _reap(self) -> None:
         now = time.monotonic()
         self._collect(now)
-        for segment in [s for s in self._segments if s.public is None and now - s.last_used > self.config.keep_free_s]:
+        for segment in [
+            s for s in self._segments if s.public is None and now - s.last_used > self.config.keep_free_s
+        ]:
             self._drop(segment)
 
     async def _reap_forever(self) -> None:
@@ -321,7 +327,9 @@ class ShmCall:
         self.offered = request.HasField("shm")
         self.request_id = request.request_id
         self._segments = segments
-        self._probe = segments.read_probe(request.shm.probe) if self.offered and segments is not None else None
+        self._probe = (
+            segments.read_probe(request.shm.probe) if self.offered and segments is not None else None
+        )
         self._placed: list[tuple[_Segment, Path]] = []
         self._handed_over = False
 

@@ -41,7 +41,9 @@ SERVER_KIND = "encsrv"
 RECEIVER_KIND = "encrx"
 _HEX = "[0-9a-f]{32}"
 # <kind>.<pid>.<instance>.<role>: pid for people reading `ls /dev/shm`, the instance id for safety.
-_NAME = re.compile(rf"(?P<instance>(?:{SERVER_KIND}|{RECEIVER_KIND})\.\d+\.{_HEX})\.(?P<role>lock|probe|pool\.{_HEX}|seg\.{_HEX})")
+_NAME = re.compile(
+    rf"(?P<instance>(?:{SERVER_KIND}|{RECEIVER_KIND})\.\d+\.{_HEX})\.(?P<role>lock|probe|pool\.{_HEX}|seg\.{_HEX})"
+)
 _LOCK_ROLE = {SERVER_KIND: "lock", RECEIVER_KIND: "probe"}
 
 

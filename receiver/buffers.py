@@ -38,7 +38,9 @@ class BufferPool:
             return torch.empty(shape, dtype=dtype)
         buffer = self._take(nbytes)
         if buffer is None:
-            buffer = mmap.mmap(-1, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            buffer = mmap.mmap(
+                -1, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            )
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 buffer.madvise(mmap.MADV_HUGEPAGE)  # 512x fewer faults on its first use
         array = np.frombuffer(buffer, dtype=np.uint8, count=nbytes)

@@ -118,7 +118,7 @@ class ShmReceiver:
 
     @classmethod
     def for_transfer(cls, transfer: str) -> ShmReceiver | None:
-        """The fast path for `transfer`: None for "grpc", or for "auto" where this host has no usable /dev/shm."""
+        """The fast path for `transfer`: None for "grpc", and for "auto" without a usable /dev/shm."""
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
         if transfer == "grpc":
@@ -127,7 +127,9 @@ class ShmReceiver:
             return cls(strict=transfer == "shm")
         except OSError as exc:
             if transfer == "shm":
-                raise SharedMemoryUnavailableError(f"cannot create a shared-memory probe in {SHM_DIR}: {exc}") from None
+                raise SharedMemoryUnavailableError(
+                    f"cannot create a shared-memory probe in {SHM_DIR}: {exc}"
+                ) from None
             log.info("no shared-memory transfer (%s): payloads come over the gRPC stream", exc)
             return None
 
@@ -150,25 +152,35 @@ class ShmReceiver:
         """
         placement = header.shm if header.HasField("shm") else None
         if placement is None:
-            return self._not_negotiated("unsupported", "the server predates the shared-memory path", Placement.CHUNKS)
+            return self._not_negotiated(
+                "unsupported", "the server predates the shared-memory path", Placement.CHUNKS
+            )
         if placement.fallback in (pb.SHM_DISABLED, pb.SHM_PROBE_UNREADABLE):
             why = {
                 pb.SHM_DISABLED: "the server runs without --shm-transfer",
-                pb.SHM_PROBE_UNREADABLE: "the server cannot read this receiver's probe: another host, container or user",
+                pb.SHM_PROBE_UNREADABLE: "the server cannot read this receiver's probe "
+                "(another host, container or user)",
             }[placement.fallback]
             return self._not_negotiated(_reason(placement.fallback), why, Placement.CHUNKS)
         proof = item_proof(self._token, request_id, header.index, placement.segment, header.payload_bytes)
         if not secrets.compare_digest(proof, placement.proof):
             # No chunks follow a header that names a segment: such an item has to be fetched again.
             follows = Placement.REFETCH if placement.segment else Placement.CHUNKS
-            return self._not_negotiated("bad_proof", f"item {header.index}: the server's proof does not match", follows)
+            return self._not_negotiated(
+                "bad_proof", f"item {header.index}: the server's proof does not match", follows
+            )
         if not placement.segment:
             self.stats.fallbacks[_reason(placement.fallback)] += 1
             return Placement.CHUNKS
         try:
             self._read(placement.segment, segment_header(header, proof), into)
         except _Refused as exc:
-            log.warning("item %d of request %r: shared-memory segment refused (%s); fetching it over gRPC", header.index, request_id, exc)
+            log.warning(
+                "item %d of request %r: shared-memory segment refused (%s); fetching it over gRPC",
+                header.index,
+                request_id,
+                exc,
+            )
             self.stats.fallbacks[exc.reason] += 1
             return Placement.REFETCH
         self.stats.items_shm += 1
@@ -198,9 +210,13 @@ class ShmReceiver:
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                    raise _Refused("not_private", f"{name} is not a file of this user's, readable by it alone")
+                    raise _Refused(
+                        "not_private", f"{name} is not a file of this user's, readable by it alone"
+                    )
                 if st.st_size < HEADER_BYTES + len(into):
-                    raise _Refused("size_mismatch", f"{name} holds {st.st_size} bytes, the stream announced {len(into)}")
+                    raise _Refused(
+                        "size_mismatch", f"{name} holds {st.st_size} bytes, the stream announced {len(into)}"
+                    )
                 mapping = self._mapping(fd, st)
             except OSError as exc:
                 raise _Refused("read_failed", f"{name}: {exc}") from None
@@ -233,7 +249,6 @@ class ShmReceiver:
         while len(self._mappings) > _MAX_MAPPINGS:
             self._mappings.popitem(last=False)[1].close()
         return mapping
-
 
 
 def _copy_checked(segment: mmap.mmap, expected_header: bytes, into: np.ndarray) -> str | None:

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import pickle
 import statistics
 import subprocess
@@ -55,11 +54,15 @@ def serve_fixed(num_tokens: int) -> None:
     tune_malloc()  # as the encoder-server CLI does
 
     async def run() -> None:
-        config = server_config(REPO_ROOT / "no-checkpoint", dtype=torch.bfloat16, shm=ShmConfig(max_bytes=1 << 30))
+        config = server_config(
+            REPO_ROOT / "no-checkpoint", dtype=torch.bfloat16, shm=ShmConfig(max_bytes=1 << 30)
+        )
         server = EncoderServer(config, encoder=FixedSizeEncoder(num_tokens, HIDDEN, torch.bfloat16))
         await server.start()
         print(f"ready {server.port}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+        await asyncio.get_running_loop().run_in_executor(
+            None, sys.stdin.read
+        )  # until the parent closes stdin
         await server.stop(grace=0)
 
     asyncio.run(run())
@@ -108,7 +111,9 @@ def measure_zmq(nbytes: int, count: int, clone: bool, warmup: int = 2) -> float:
     socket = context.socket(zmq.PULL)
     socket.setsockopt(zmq.RCVHWM, 4)
     port = socket.bind_to_random_port("tcp://127.0.0.1")
-    sender = multiprocessing.get_context("spawn").Process(target=zmq_sender, args=(port, nbytes, warmup + count))
+    sender = multiprocessing.get_context("spawn").Process(
+        target=zmq_sender, args=(port, nbytes, warmup + count)
+    )
     sender.start()
     try:
         for i in range(warmup + count):
@@ -171,7 +176,10 @@ async def measure_latency(url: str, calls: int) -> dict[str, float]:
     """Median seconds of a one-item call, encode() to tensor; the transfers take turns call by call,
     so that a noisy machine slows both alike."""
     latencies: dict[str, list[float]] = {"grpc": [], "shm": []}
-    async with EncoderReceiver([url], transfer="grpc") as grpc_rx, EncoderReceiver([url], transfer="shm") as shm_rx:
+    async with (
+        EncoderReceiver([url], transfer="grpc") as grpc_rx,
+        EncoderReceiver([url], transfer="shm") as shm_rx,
+    ):
         for i in range(3 + calls):
             for transfer, rx in (("grpc", grpc_rx), ("shm", shm_rx)):
                 begun = time.perf_counter()
@@ -195,19 +203,25 @@ def run_size(size_mib: int, rounds: int) -> dict:
     rows: dict[str, list[float]] = {name: [] for name in names}
     with fixed_server(nbytes // (HIDDEN * 2)) as url:
         for _ in range(rounds):  # interleaved, so that noise on a shared machine hits every contender
-            rows["memcpy"].append(measure_memcpy(nbytes, 20))
+            memcpy_before = measure_memcpy(nbytes, 30)
             rows["zmq"].append(measure_zmq(nbytes, calls * items_per_call, clone=True))
             rows["zmq_view"].append(measure_zmq(nbytes, calls * items_per_call, clone=False))
             for transfer in ("grpc", "shm"):
-                rows[transfer].append(asyncio.run(measure_throughput(url, transfer, nbytes, items_per_call, calls)))
+                rows[transfer].append(
+                    asyncio.run(measure_throughput(url, transfer, nbytes, items_per_call, calls))
+                )
             latency = asyncio.run(measure_latency(url, 15))
             for transfer, seconds in latency.items():
                 rows[f"{transfer}_latency"].append(seconds)
+            # The physical limit: the better of before and after, so a burst of load cannot lower it.
+            rows["memcpy"].append(max(memcpy_before, measure_memcpy(nbytes, 30)))
     return {name: statistics.median(values) for name, values in rows.items()}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 32], help="item sizes (bf16)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -217,7 +231,7 @@ def main() -> int:
         serve_fixed(args.serve_tokens)
         return 0
 
-    print(f"same-host transfer of bf16 items into the receiver's tensor; medians of {args.rounds} interleaved rounds")
+    print(f"same-host transfer of bf16 items into the receiver's tensor; medians of {args.rounds} rounds")
     print(
         f"{'item':>6} | GB/s: {'memcpy':>6} {'zmq':>6} {'zmq-view':>8} {'grpc':>6} {'shm':>6}"
         f" | shm/zmq shm/zmq-view shm/memcpy shm/grpc | 1-item ms: {'grpc':>6} {'shm':>6} shm/grpc"
@@ -237,16 +251,22 @@ def main() -> int:
         }
         results[f"{size}MiB"] = {**r, **ratios}
         gb = {k: r[k] / 1e9 for k in ("memcpy", "zmq", "zmq_view", "grpc", "shm")}
+        ms = {k: r[f"{k}_latency"] * 1e3 for k in ("grpc", "shm")}
         print(
-            f"{size:>3}MiB | GB/s: {gb['memcpy']:6.2f} {gb['zmq']:6.2f} {gb['zmq_view']:8.2f} {gb['grpc']:6.2f} {gb['shm']:6.2f}"
-            f" | {ratios['shm_over_zmq']:6.2f}x {ratios['shm_over_zmq_view']:11.2f}x {ratios['shm_over_memcpy']:9.0%}"
-            f" {ratios['shm_over_grpc']:7.2f}x | 1-item ms: {r['grpc_latency'] * 1e3:6.1f} {r['shm_latency'] * 1e3:6.1f}"
-            f" {ratios['latency_shm_over_grpc']:8.2f}"
+            f"{size:>3}MiB | GB/s: {gb['memcpy']:6.2f} {gb['zmq']:6.2f} {gb['zmq_view']:8.2f}"
+            f" {gb['grpc']:6.2f} {gb['shm']:6.2f} | {ratios['shm_over_zmq']:6.2f}x"
+            f" {ratios['shm_over_zmq_view']:11.2f}x {ratios['shm_over_memcpy']:9.0%}"
+            f" {ratios['shm_over_grpc']:7.2f}x"
+            f" | 1-item ms: {ms['grpc']:6.1f} {ms['shm']:6.1f} {ratios['latency_shm_over_grpc']:8.2f}"
         )
         goals_met &= (
-            ratios["shm_over_zmq"] >= 2 and ratios["shm_over_memcpy"] >= 0.3 and ratios["latency_shm_over_grpc"] <= 0.5
+            ratios["shm_over_zmq"] >= 2
+            and ratios["shm_over_memcpy"] >= 0.3
+            and ratios["latency_shm_over_grpc"] <= 0.5
         )
-    print(f"per-call floor (one 4 KiB item): grpc {floor['grpc'] * 1e3:.1f} ms, shm {floor['shm'] * 1e3:.1f} ms")
+    print(
+        f"per-call floor (one 4 KiB item): grpc {floor['grpc'] * 1e3:.1f} ms, shm {floor['shm'] * 1e3:.1f} ms"
+    )
     print(
         "goals (shm >= 2x zmq as SGLang receives, >= 30% of memcpy, 1-item latency <= 0.5x grpc): "
         + ("met" if goals_met else "NOT met")

@@ -118,8 +118,8 @@ class FixedSizeEncoder(VisionEncoder):
         return (1 + spec.num_deepstack_layers) * self.num_tokens * spec.hidden_size * spec.dtype.itemsize
 
     def preprocess(self, image: Image.Image) -> PreparedImage:
-        # grid (1, 2, 2n) merges 2x2 into n tokens
-        return PreparedImage(torch.tensor([image.width]), (1, 2, 2 * self.num_tokens), self.num_tokens, 4 * self.num_tokens)
+        n = self.num_tokens  # grid (1, 2, 2n) merges 2x2 into n tokens
+        return PreparedImage(torch.tensor([image.width]), (1, 2, 2 * n), num_tokens=n, num_patches=4 * n)
 
     def encode(self, batch):
         if self.forward_s:
@@ -130,7 +130,7 @@ class FixedSizeEncoder(VisionEncoder):
         if width not in self._outputs:
             spec = self.spec
             generator = torch.Generator().manual_seed(width)
-            rows = torch.randn(1 + spec.num_deepstack_layers, self.num_tokens, spec.hidden_size, generator=generator)
-            rows = rows.to(spec.dtype)
+            shape = (1 + spec.num_deepstack_layers, self.num_tokens, spec.hidden_size)
+            rows = torch.randn(shape, generator=generator).to(spec.dtype)
             self._outputs[width] = ImageEmbedding(rows[0], rows[1:] if spec.num_deepstack_layers else None)
         return self._outputs[width]

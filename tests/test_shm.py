@@ -1,4 +1,5 @@
-"""The same-host shared-memory path: identical bytes, bounded, no leaks whoever dies, private, refused when wrong."""
+"""The same-host shared-memory path: identical bytes, bounded, no leaks whoever dies, private, and
+refused when it does not match the stream."""
 
 from __future__ import annotations
 
@@ -18,7 +19,16 @@ import encoder_server.shm
 from encoder_server.batcher import BatchingConfig
 from encoder_server.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
-from protos.shm import SERVER_KIND, SHM_DIR, create_locked, item_proof, new_instance, random_name, segment_header, sweep_stale
+from protos.shm import (
+    SERVER_KIND,
+    SHM_DIR,
+    create_locked,
+    item_proof,
+    new_instance,
+    random_name,
+    segment_header,
+    sweep_stale,
+)
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
 from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
@@ -70,14 +80,18 @@ def assert_same_bytes(got, want) -> None:
 def offer_request(request_id: str, shm: ShmReceiver, n: int, width: int = 8) -> pb.EncodeRequest:
     return pb.EncodeRequest(
         request_id=request_id,
-        items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=image_bytes(width + i, width)) for i in range(n)],
+        items=[
+            pb.ImageItem(index=i, modality=pb.IMAGE, data=image_bytes(width + i, width)) for i in range(n)
+        ],
         shm=shm.offer(),
     )
 
 
 @pytest.fixture(scope="module")
 async def shm_server(default_model_dir):
-    async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(release_timeout_s=5.0)) as server:
+    async with running_server(
+        default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(release_timeout_s=5.0)
+    ) as server:
         yield server
 
 
@@ -119,7 +133,9 @@ async def test_bf16_with_deepstack_is_byte_identical_and_lands_in_each_items_slo
         over_grpc = await rx.encode("grpc", items(5))
     async with EncoderReceiver([shm_server.url]) as rx:  # "auto"
         over_shm = await rx.encode("auto", items(5))
-        concurrent = await asyncio.gather(*(rx.encode(f"c{i}", items(3, first_width=20 + i)) for i in range(6)))
+        concurrent = await asyncio.gather(
+            *(rx.encode(f"c{i}", items(3, first_width=20 + i)) for i in range(6))
+        )
         stats = rx.transfer_stats
     assert_same_bytes(over_shm, over_grpc)
     assert over_shm.items[0].deepstack.shape == (1, NUM_TOKENS, 2048)
@@ -147,10 +163,14 @@ async def test_no_segment_left_after_normal_use_and_nothing_after_stop(default_m
 
 async def test_budget_bounds_segments_and_items_beyond_it_go_over_grpc(default_model_dir):
     # One item's segment is 6 MiB (rounded up): a 7 MiB budget holds one at a time, 1 MiB none.
-    async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(max_bytes=7 << 20)) as server:
+    async with running_server(
+        default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(max_bytes=7 << 20)
+    ) as server:
         async with EncoderReceiver([server.url], transfer="grpc") as rx:
             want = await rx.encode("grpc", items(6))
-        async with EncoderReceiver([server.url], transfer="shm") as rx:  # proven per-item fallback is no error
+        async with EncoderReceiver(
+            [server.url], transfer="shm"
+        ) as rx:  # proven per-item fallback is no error
             got = await rx.encode("shm", items(6))
             stats = rx.transfer_stats
         assert server.shm.stats.peak_bytes <= 7 << 20 and server.shm.pool_bytes <= 7 << 20
@@ -158,7 +178,9 @@ async def test_budget_bounds_segments_and_items_beyond_it_go_over_grpc(default_m
     assert stats.items_shm >= 1 and stats.items_shm + stats.fallbacks["budget_full"] == 6
     assert set(stats.fallbacks) <= {"budget_full"}
 
-    async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(max_bytes=1 << 20)) as server:
+    async with running_server(
+        default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(max_bytes=1 << 20)
+    ) as server:
         async with EncoderReceiver([server.url]) as rx:
             got = await rx.encode("tiny", items(6))
             stats = rx.transfer_stats
@@ -167,7 +189,9 @@ async def test_budget_bounds_segments_and_items_beyond_it_go_over_grpc(default_m
     assert stats.items_shm == 0 and stats.fallbacks == {"budget_full": 6}
 
 
-async def test_shm_mode_fails_and_auto_falls_back_when_the_server_lacks_shm_transfer(plain_server, shm_server):
+async def test_shm_mode_fails_and_auto_falls_back_when_the_server_lacks_shm_transfer(
+    plain_server, shm_server
+):
     async with EncoderReceiver([plain_server.url], transfer="shm") as rx:
         with pytest.raises(ShardError) as raised:
             await rx.encode("strict", items(2))
@@ -330,7 +354,9 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
         assert server.shm.outstanding() == []
 
 
-async def test_server_sigkill_leaves_files_that_receivers_and_the_next_server_remove(default_model_dir, tmp_path):
+async def test_server_sigkill_leaves_files_that_receivers_and_the_next_server_remove(
+    default_model_dir, tmp_path
+):
     async def leave_segment_behind(launched) -> str:
         """An announced segment nobody reads, then SIGKILL: returns the dead server's instance."""
         shm = ShmReceiver(strict=True)
@@ -497,7 +523,9 @@ async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers
     try:
 
         def place(owner: int) -> tuple[int, int]:
-            header = pb.ItemHeader(index=0, num_tokens=1, hidden_size=1024, dtype=pb.FLOAT32, payload_bytes=4096)
+            header = pb.ItemHeader(
+                index=0, num_tokens=1, hidden_size=1024, dtype=pb.FLOAT32, payload_bytes=4096
+            )
             assert segments.place(header, [payload], b"t" * 32, owner, "req") is not None
             st = os.stat(tmp_path / header.shm.segment)
             (tmp_path / header.shm.segment).unlink()  # released, as a receiver does
