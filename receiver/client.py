@@ -59,8 +59,8 @@ class EncoderReceiver:
         self.timeout = timeout
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self._rng = random.Random(seed)
+        self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`
         self._endpoints = [EncoderEndpoint.connect(url) for url in self.urls]
-        self._shm = ShmReceiver.for_transfer(transfer)
 
     async def __aenter__(self) -> EncoderReceiver:
         return self
