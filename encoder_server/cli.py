@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=port_or_off, default="off", help="HTTP port of Prometheus /metrics ('off': none, 0: any free port)"
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up forward before SERVING")
+    p.add_argument("--shm-transfer", action="store_true", help="hand payloads to receivers on this host through /dev/shm")
+    p.add_argument("--shm-max-bytes", type=int, default=512 << 20, help="shared-memory segments held at most; beyond, items go as chunks")
+    p.add_argument("--shm-release-timeout-s", type=float, default=30.0, help="take back a segment its receiver has not released by then")
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("encoder-server: --tls-cert-file and --tls-key-file go together")
     if args.tls_client_ca_file and not args.tls_cert_file:
         raise SystemExit("encoder-server: --tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+    from .shm import ShmConfig
 
     config = ServerConfig(
         model=args.model,
@@ -154,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         else None,
         auth_token_file=args.auth_token_file,
         auth_protect_health=bool(args.auth_protect_health),
+        shm=ShmConfig(max_bytes=int(args.shm_max_bytes), release_timeout_s=float(args.shm_release_timeout_s))
+        if args.shm_transfer
+        else None,
     )
     try:
         asyncio.run(serve(config))

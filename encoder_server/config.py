@@ -10,6 +10,8 @@ from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
 from .sources import SourcePolicy
 from .tls import TlsConfig
+from .images import DEFAULT_MAX_IMAGE_PIXELS
+from .shm import ShmConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,3 +34,4 @@ class ServerConfig:
     tls: TlsConfig | None = None
     auth_token_file: str | None = None  # one token per line; None: no authentication
     auth_protect_health: bool = False  # also require the token on grpc.health.v1 probes
+    shm: ShmConfig | None = None  # the same-host shared-memory path (--shm-transfer); None: off

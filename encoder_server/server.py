@@ -24,6 +24,7 @@ from .interceptors import DrainGate
 from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
 from .servicer import EncoderServicer, method_handlers
+from .shm import ShmSegments
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class EncoderServer:
         self._batcher: Batcher | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stopping = False
+        self.shm: ShmSegments | None = None
 
     @property
     def address(self) -> str:
@@ -91,7 +93,12 @@ class EncoderServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights, self.metrics)
+        if config.shm is not None:
+            self.shm = ShmSegments(config.shm)
+            await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
+        servicer = EncoderServicer(
+            self.encoder, self._batcher, self._pool, config, random_weights, metrics=self.metrics, shm=self.shm
+        )
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -156,6 +163,8 @@ class EncoderServer:
             log.warning("%d calls still running after the %.1f s grace period: cancelling them", self.gate.running, grace)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
+        if self.shm is not None:
+            await self.shm.stop()
         if self._batcher is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._batcher.stop)
         if self._pool is not None:

@@ -25,6 +25,7 @@ from .images import decode_image
 from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
 from .sources import item_bytes
+from .shm import ShmCall, ShmSegments
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +116,13 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         config: ServerConfig,
         random_weights: bool,
         metrics: ServerMetrics | None = None,
+        shm: ShmSegments | None = None,
     ):
         self.encoder = encoder
         self.batcher = batcher
         self.preprocess_pool = preprocess_pool
         self.config = config
+        self.shm = shm
         self.info = model_info(encoder.spec, config, random_weights)
         self.metrics = metrics or ServerMetrics()
         self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue
@@ -143,14 +146,17 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             self._preprocessing -= len(request.items)
         preprocess_ms = (time.perf_counter() - started) * 1000
         futures = self.batcher.submit(prepared)
+        shm = ShmCall(self.shm, request)
         try:
             for item, prep, future in zip(request.items, prepared, futures):
                 encoded: EncodedItem = await future
-                for message in self._item_messages(item.index, prep, encoded, preprocess_ms):
+                for message in self._item_messages(item.index, prep, encoded, preprocess_ms, shm):
                     yield message
+            shm.hand_over()
         finally:
             for future in futures:
                 future.cancel()  # no-op for finished ones; frees queued work of a cancelled call
+            shm.close()  # takes back the segments of a call cancelled, failed or out of time
 
     def _admit(self, count: int) -> None:
         """Refuses a call before preprocessing when its items would not fit beside the queued and the
@@ -176,7 +182,9 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
 
-    def _item_messages(self, index: int, prep: PreparedImage, encoded: EncodedItem, preprocess_ms: float):
+    def _item_messages(
+        self, index: int, prep: PreparedImage, encoded: EncodedItem, preprocess_ms: float, shm: ShmCall | None = None
+    ):
         output = encoded.output
         parts = [output.embedding] + ([output.deepstack] if output.deepstack is not None else [])
         num_layers = 0 if output.deepstack is None else output.deepstack.shape[0]
@@ -190,9 +198,11 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             payload_bytes=sum(part.numel() * part.element_size() for part in parts),
             timing=pb.Timing(queue_ms=encoded.queue_ms, preprocess_ms=preprocess_ms, forward_ms=encoded.forward_ms),
         )
+        placed = shm is not None and shm.place(header, parts)  # same-host fast path: no chunks follow
         yield pb.EncodeResponse(header=header)
-        for part in parts:
-            yield from wire.chunk_messages(wire.tensor_bytes(part))
+        if not placed:
+            for part in parts:
+                yield from wire.chunk_messages(wire.tensor_bytes(part))
 
 
 def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:

@@ -20,6 +20,15 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BFLOAT16: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
     FLOAT32: _ClassVar[DType]
+
+class ShmFallback(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHM_FALLBACK_NONE: _ClassVar[ShmFallback]
+    SHM_DISABLED: _ClassVar[ShmFallback]
+    SHM_PROBE_UNREADABLE: _ClassVar[ShmFallback]
+    SHM_BUDGET_FULL: _ClassVar[ShmFallback]
+    SHM_WRITE_FAILED: _ClassVar[ShmFallback]
+    SHM_SMALL_ITEM: _ClassVar[ShmFallback]
 MODALITY_UNSPECIFIED: Modality
 IMAGE: Modality
 VIDEO: Modality
@@ -28,6 +37,12 @@ DTYPE_UNSPECIFIED: DType
 BFLOAT16: DType
 FLOAT16: DType
 FLOAT32: DType
+SHM_FALLBACK_NONE: ShmFallback
+SHM_DISABLED: ShmFallback
+SHM_PROBE_UNREADABLE: ShmFallback
+SHM_BUDGET_FULL: ShmFallback
+SHM_WRITE_FAILED: ShmFallback
+SHM_SMALL_ITEM: ShmFallback
 
 class ImageItem(_message.Message):
     __slots__ = ("index", "modality", "data", "url", "content_sha256")
@@ -44,12 +59,30 @@ class ImageItem(_message.Message):
     def __init__(self, index: _Optional[int] = ..., modality: _Optional[_Union[Modality, str]] = ..., data: _Optional[bytes] = ..., url: _Optional[str] = ..., content_sha256: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "items")
+    __slots__ = ("request_id", "items", "shm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[ImageItem]
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ...) -> None: ...
+    shm: ShmOffer
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ...) -> None: ...
+
+class ShmOffer(_message.Message):
+    __slots__ = ("probe",)
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    probe: str
+    def __init__(self, probe: _Optional[str] = ...) -> None: ...
+
+class ShmPlacement(_message.Message):
+    __slots__ = ("segment", "proof", "fallback")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    proof: bytes
+    fallback: ShmFallback
+    def __init__(self, segment: _Optional[str] = ..., proof: _Optional[bytes] = ..., fallback: _Optional[_Union[ShmFallback, str]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ms", "preprocess_ms", "forward_ms")
@@ -62,7 +95,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class ItemHeader(_message.Message):
-    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing")
+    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing", "shm")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +105,7 @@ class ItemHeader(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     index: int
     num_tokens: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +115,8 @@ class ItemHeader(_message.Message):
     payload_bytes: int
     cache_hit: bool
     timing: Timing
-    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    shm: ShmPlacement
+    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("header", "chunk")

@@ -45,6 +45,10 @@ class DeadlineExceededError(EncoderError, TimeoutError):
     """The call's deadline passed before its items were encoded."""
 
 
+class SharedMemoryUnavailableError(EncoderError):
+    """transfer="shm" was asked for, but this host or that server cannot use the shared-memory path."""
+
+
 class TokenCountMismatchError(EncoderError):
     """The vision tower produced a different number of tokens than preprocessing announced."""
 
@@ -61,6 +65,7 @@ STATUS_BY_ERROR: dict[type[EncoderError], grpc.StatusCode] = {
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    SharedMemoryUnavailableError: grpc.StatusCode.FAILED_PRECONDITION,
     TokenCountMismatchError: grpc.StatusCode.INTERNAL,
     EncoderError: grpc.StatusCode.INTERNAL,
 }

@@ -9,6 +9,7 @@ from protos.errors import (
     InvalidItemError,
     ItemsOffsetError,
     OverloadedError,
+    SharedMemoryUnavailableError,
     UnavailableError,
     UnsupportedModalityError,
 )
@@ -22,6 +23,7 @@ from .precomputed import PRECOMPUTED_KEY
 from .prefill import Window, batch_embedding, expand_placeholders
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
+from .shm import TransferStats
 
 __all__ = [
     "ClientTls",
@@ -39,6 +41,8 @@ __all__ = [
     "PRECOMPUTED_KEY",
     "Shard",
     "ShardError",
+    "SharedMemoryUnavailableError",
+    "TransferStats",
     "UnavailableError",
     "UnsupportedModalityError",
     "Window",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import numpy as np
 import torch
@@ -12,7 +12,9 @@ from protos import encoder_pb2 as pb
 from protos import wire
 from protos.errors import EncoderError
 
+from .buffers import POOL
 from .result import ItemResult
+from .shm import Placement
 
 
 class StreamProtocolError(EncoderError):
@@ -35,13 +37,20 @@ class ItemBuffer:
             )
         self.header = header
         self.dtype = dtype
-        self.tensor = torch.empty((layers, header.num_tokens, header.hidden_size), dtype=dtype)
+        self.tensor = POOL.empty((layers, header.num_tokens, header.hidden_size), dtype)
         self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
         self.filled = 0
 
     @property
     def complete(self) -> bool:
         return self.filled == len(self._bytes)
+
+    def fill_from_shm(self, take: Callable[[pb.ItemHeader, np.ndarray], Placement]) -> Placement:
+        """Lets `take` read the whole payload from shared memory straight into the tensor."""
+        placement = take(self.header, self._bytes)
+        if placement is Placement.FILLED:
+            self.filled = len(self._bytes)
+        return placement
 
     def write(self, chunk: memoryview) -> None:
         end = self.filled + len(chunk)
@@ -56,10 +65,17 @@ class ItemBuffer:
 class ShardAssembler:
     """Consumes one Encode stream's messages for a known set of item indices."""
 
-    def __init__(self, expected_indices: Collection[int], encoder_url: str):
+    def __init__(
+        self,
+        expected_indices: Collection[int],
+        encoder_url: str,
+        read_shm: Callable[[pb.ItemHeader, np.ndarray], Placement] | None = None,
+    ):
         self.expected = set(expected_indices)
         self.encoder_url = encoder_url
         self.items: dict[int, ItemResult] = {}
+        self.read_shm = read_shm
+        self.refetch: list[int] = []  # items whose shared-memory segment could not be used
         self._current: ItemBuffer | None = None
         self._started = time.perf_counter()
 
@@ -74,9 +90,12 @@ class ShardAssembler:
                 raise StreamProtocolError(
                     f"item {message.index} started before item {self._current.header.index} was complete"
                 )
-            if message.index not in self.expected or message.index in self.items:
+            if message.index not in self.expected or message.index in self.items or message.index in self.refetch:
                 raise StreamProtocolError(f"unexpected item index {message.index} in the stream")
             self._current = ItemBuffer(message)
+            if self.read_shm is not None and self._current.fill_from_shm(self.read_shm) is Placement.REFETCH:
+                self.refetch.append(message.index)
+                self._current = None
         if self._current is not None and self._current.complete:
             done = self._finish(self._current)
             self._current = None

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from protos import encoder_pb2 as pb
-from protos.errors import EncoderError, error_class_for
+from protos.errors import EncoderError, SharedMemoryUnavailableError, error_class_for
 
 from .assembly import ShardAssembler, StreamProtocolError
 from .channels import ClientTls, EncoderEndpoint
@@ -25,6 +25,7 @@ from .metrics import ReceiverMetrics
 from .precomputed import agreed_model, is_precomputed, precomputed_result
 from .result import EncodeResult, ItemResult
 from .sharding import plan_shards
+from .shm import ShmReceiver, TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class EncoderReceiver:
         resolver: Resolver = resolve_all,
         refresh_s: float = DEFAULT_REFRESH_S,
         metrics: ReceiverMetrics | None = None,
+        transfer: str = "auto",
     ):
         """
         Args:
@@ -80,6 +82,9 @@ class EncoderReceiver:
             resolver: resolves a `dns:` name; the system resolver unless a test brings its own.
             refresh_s: re-resolve `dns:` names when their addresses are older than this.
             metrics: counters to record into (shared between receivers if given).
+            transfer: how payloads travel. "auto": through shared memory from encoders that prove
+                they share this host (started with --shm-transfer), the gRPC stream otherwise;
+                "shm": shared memory or SharedMemoryUnavailableError; "grpc": the stream only.
         """
         if not urls:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
@@ -88,6 +93,7 @@ class EncoderReceiver:
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self.failover = failover or FailoverPolicy()
         self._rng = random.Random(seed)
+        self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`
         self._jitter = random.Random()
         self.metrics = metrics or ReceiverMetrics()
         self.discovery = EncoderDiscovery(self.urls, resolver=resolver, refresh_s=refresh_s, metrics=self.metrics)
@@ -108,6 +114,13 @@ class EncoderReceiver:
 
     async def close(self) -> None:
         await self._endpoint_pool.close()
+        if self._shm is not None:
+            self._shm.close()
+
+    @property
+    def transfer_stats(self) -> TransferStats:
+        """Items that came through shared memory, and why others fell back to the stream."""
+        return self._shm.stats if self._shm is not None else TransferStats()
 
     async def model_info(self) -> dict[str, pb.ModelInfo]:
         """Each encoder's ModelInfo, by URL."""
@@ -309,6 +322,7 @@ class EncoderReceiver:
         results: dict[int, ItemResult],
         attempts: dict[int, list[ItemAttempt]],
         deadline: float,
+        offer_shm: bool = True,
     ) -> ShardError | None:
         """One Encode call for `indices` on one encoder; stores each item as its last byte arrives.
 
@@ -326,11 +340,13 @@ class EncoderReceiver:
                 message=message,
             )
 
+        shm = self._shm if offer_shm else None
         request = pb.EncodeRequest(
             request_id=request_id,
             items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=sources[i].data) for i in indices],
+            shm=shm.offer() if shm is not None else None,
         )
-        assembler = ShardAssembler(indices, endpoint.url)
+        assembler = ShardAssembler(indices, endpoint.url, shm.reader(request_id) if shm is not None else None)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return shard_error(_DEADLINE, "the request's deadline passed before the call")
@@ -348,7 +364,7 @@ class EncoderReceiver:
             if watch.stalled:
                 return shard_error(grpc.StatusCode.UNAVAILABLE, watch.reason)
             return shard_error(exc.code(), exc.details() or "")
-        except StreamProtocolError as exc:
+        except (StreamProtocolError, SharedMemoryUnavailableError) as exc:
             call.cancel()
             return shard_error(None, str(exc))
         except asyncio.CancelledError:
@@ -357,8 +373,21 @@ class EncoderReceiver:
             raise
         finally:
             watchdog.cancel()
-        if assembler.missing():
-            return shard_error(None, "stream ended before these items arrived")
+        if assembler.refetch:  # their segments could not be read: the same items again, over the stream
+            error = await self._run_shard(
+                request_id, endpoint, list(assembler.refetch), sources, results, attempts, deadline, offer_shm=False
+            )
+            if error is not None:
+                return error
+        missing = [i for i in assembler.missing() if i not in results]
+        if missing:
+            return ShardError(
+                encoder_url=endpoint.url,
+                request_id=request_id,
+                item_indices=missing,
+                code=None,
+                message="stream ended before these items arrived",
+            )
         return None
 
 

@@ -15,6 +15,7 @@ from PIL import Image
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig
 from encoder_server.launcher import LaunchedServer, launch_server
+from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from encoder_server.server import EncoderServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -79,3 +80,60 @@ def server_process(model_dir: Path, *flags: str, log_dir: Path, **kwargs) -> Ite
     log_path = log_dir / f"server-{time.monotonic_ns()}.log"
     with launch_server(model_dir, *flags, log_path=log_path, **kwargs) as server:
         yield server
+
+
+class FixedSizeEncoder(VisionEncoder):
+    """A stand-in for the vision tower (not the transport): every image encodes to `num_tokens` rows
+    at once, with values seeded by the image's width so that items stay distinguishable.
+
+    Outputs are made once per width and reused, like cache hits, so a benchmark through the real
+    server path measures the transport. `forward_s` makes each forward take that long.
+    """
+
+    def __init__(
+        self,
+        num_tokens: int,
+        hidden_size: int = 2048,
+        dtype: torch.dtype = torch.bfloat16,
+        num_deepstack_layers: int = 0,
+        forward_s: float = 0.0,
+    ):
+        self.num_tokens = num_tokens
+        self.forward_s = forward_s
+        self.spec = ModelSpec(
+            family="fixed",
+            model_type="fixed",
+            hidden_size=hidden_size,
+            dtype=dtype,
+            device=torch.device("cpu"),
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_deepstack_layers=num_deepstack_layers,
+            weights_fingerprint="fixed",
+            preprocess_fingerprint="fixed",
+        )
+        self._outputs: dict[int, ImageEmbedding] = {}
+
+    @property
+    def payload_bytes(self) -> int:
+        spec = self.spec
+        return (1 + spec.num_deepstack_layers) * self.num_tokens * spec.hidden_size * spec.dtype.itemsize
+
+    def preprocess(self, image: Image.Image) -> PreparedImage:
+        n = self.num_tokens  # grid (1, 2, 2n) merges 2x2 into n tokens
+        return PreparedImage(torch.tensor([image.width]), (1, 2, 2 * n), num_tokens=n, num_patches=4 * n)
+
+    def encode(self, batch):
+        if self.forward_s:
+            time.sleep(self.forward_s)
+        return [self.output(int(prepared.pixel_values[0])) for prepared in batch]
+
+    def output(self, width: int) -> ImageEmbedding:
+        if width not in self._outputs:
+            spec = self.spec
+            generator = torch.Generator().manual_seed(width)
+            shape = (1 + spec.num_deepstack_layers, self.num_tokens, spec.hidden_size)
+            rows = torch.randn(shape, generator=generator).to(spec.dtype)
+            self._outputs[width] = ImageEmbedding(rows[0], rows[1:] if spec.num_deepstack_layers else None)
+        return self._outputs[width]

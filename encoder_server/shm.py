@@ -1,0 +1,362 @@
+"""Server side of the same-host fast path: each item's payload is written once into a warm segment of
+a bounded pool and announced under a fresh name; the receiver unlinks that name once it has the
+bytes, and a reaper takes back what receivers never release.
+
+A pool segment is a file `<instance>.pool.<random>` under /dev/shm, allocated once (fallocate, so a
+full volume shows up as ENOSPC here and never as SIGBUS later) and kept mapped. To announce an
+item, the server hard-links it as `<instance>.seg.<random>`: a name used once. The receiver's unlink
+drops the link count back to 1, which the server sees with an fstat and reuses the segment.
+Reusing warm pages matters: filling fresh tmpfs pages costs several times a copy into warm ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import stat
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from protos import encoder_pb2 as pb
+from protos import wire
+from protos.shm import (
+    HEADER_BYTES,
+    SERVER_KIND,
+    SHM_DIR,
+    TOKEN_BYTES,
+    create_locked,
+    is_probe_name,
+    item_proof,
+    new_instance,
+    random_name,
+    segment_header,
+    sweep_stale,
+)
+
+log = logging.getLogger(__name__)
+
+# Segment sizes are rounded up to this, so that items of similar size reuse each other's segments.
+_GRANULE = 2 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShmConfig:
+    # Bytes of segments held at most, announced or kept warm for reuse; beyond, items go as chunks.
+    max_bytes: int = 512 << 20
+    # Smaller payloads go as chunks: a segment's syscalls on both sides cost more than one message.
+    min_bytes: int = 64 << 10
+    # An announced segment its receiver has not released by then is taken back (the receiver died).
+    release_timeout_s: float = 30.0
+    # A warm segment unused this long is given back to the OS.
+    keep_free_s: float = 60.0
+    # Where segments live; receivers must see the same directory (default: $ENCODER_SHM_DIR or /dev/shm).
+    directory: Path | None = None
+
+
+@dataclass
+class ShmStats:
+    """What the fast path did since the server started."""
+
+    items: int = 0  # payloads placed in segments
+    bytes: int = 0
+    released: int = 0  # segments the receiver unlinked
+    reclaimed_timeout: int = 0  # taken back after release_timeout_s
+    reclaimed_cancel: int = 0  # taken back when the call was cancelled, failed or ran out of time
+    peak_bytes: int = 0  # most bytes of segments held at once
+    fallbacks: Counter[str] = field(default_factory=Counter)  # reason -> items sent as chunks instead
+
+
+class _Segment:
+    """One pool file, mapped read-write for the server's whole life."""
+
+    def __init__(self, directory: Path, instance: str, capacity: int, owner: int):
+        self.path = directory / random_name(instance, "pool")
+        self.capacity = capacity
+        self.owner = owner
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            if owner != os.geteuid():
+                os.fchown(fd, owner, -1)  # a root server serving another user's receiver
+            os.posix_fallocate(fd, 0, capacity)
+            self._map = mmap.mmap(fd, capacity)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        self.fd = fd
+        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self.public: Path | None = None  # the announced name while a receiver has not released it
+        self.placed_at = 0.0
+        self.last_used = time.monotonic()
+
+    def released(self) -> bool:
+        return os.fstat(self.fd).st_nlink < 2
+
+    def write(self, header: bytes, parts: Sequence[torch.Tensor]) -> None:
+        """Header last, and zeroed first: a receiver still reading an old use sees the change."""
+        self._map[:HEADER_BYTES] = bytes(HEADER_BYTES)
+        offset = HEADER_BYTES
+        for part in parts:
+            flat = np.frombuffer(wire.tensor_bytes(part), dtype=np.uint8)
+            np.copyto(self.bytes[offset : offset + len(flat)], flat)  # one memcpy, into pages already there
+            offset += len(flat)
+        self._map[:HEADER_BYTES] = header
+
+    def close(self) -> None:
+        for path in (self.public, self.path):
+            if path is not None:
+                path.unlink(missing_ok=True)
+        del self.bytes
+        self._map.close()
+        os.close(self.fd)
+
+
+class ShmSegments:
+    """The server's pool of segments, its budget, and the reaper. Used from the event loop only."""
+
+    def __init__(self, config: ShmConfig):
+        self.config = config
+        self.directory = config.directory or SHM_DIR
+        self.instance = new_instance(SERVER_KIND)
+        self.stats = ShmStats()
+        self._segments: list[_Segment] = []
+        self._lock_fd: int | None = None
+        self._reaper: asyncio.Task | None = None
+        self._warned: set[str] = set()
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(s.capacity for s in self._segments)
+
+    def outstanding(self) -> list[str]:
+        """Names of the segments announced and not yet released or taken back."""
+        self._collect(time.monotonic())
+        return [s.public.name for s in self._segments if s.public is not None]
+
+    async def start(self) -> None:
+        """Removes what dead encoder processes left, takes this instance's lock, starts the reaper."""
+        sweep_stale(self.directory)
+        self._lock_fd = create_locked(self.directory / f"{self.instance}.lock")
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        log.info(
+            "shared-memory transfer on: %s/%s.*, at most %d bytes, release timeout %.1f s",
+            self.directory,
+            self.instance,
+            self.config.max_bytes,
+            self.config.release_timeout_s,
+        )
+
+    async def stop(self, wait_s: float = 2.0) -> None:
+        """Gives receivers of the last calls a moment to release, then removes every file."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        deadline = time.monotonic() + min(wait_s, self.config.release_timeout_s)
+        while self._collect(time.monotonic()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for segment in self._segments:
+            segment.close()
+        self._segments.clear()
+        if self._lock_fd is not None:
+            (self.directory / f"{self.instance}.lock").unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def read_probe(self, name: str) -> tuple[bytes, int] | None:
+        """The token and owner of a receiver's probe, or None when this server cannot read it."""
+        if not is_probe_name(name):
+            return None
+        try:
+            fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != TOKEN_BYTES or st.st_mode & 0o077:
+                return None
+            token = os.pread(fd, TOKEN_BYTES, 0)
+            return (token, st.st_uid) if len(token) == TOKEN_BYTES else None
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def place(
+        self, header: pb.ItemHeader, parts: Sequence[torch.Tensor], token: bytes, owner: int, request_id: str
+    ) -> _Segment | None:
+        """Writes the payload into a segment of `owner`'s and fills `header.shm`; None: it goes as chunks."""
+        if header.payload_bytes < self.config.min_bytes:
+            return self._as_chunks(header, pb.SHM_SMALL_ITEM, token, request_id)
+        try:
+            segment = self._acquire(HEADER_BYTES + header.payload_bytes, owner)
+            if segment is None:
+                return self._as_chunks(header, pb.SHM_BUDGET_FULL, token, request_id)
+            public = self.directory / random_name(self.instance, "seg")
+            proof = item_proof(token, request_id, header.index, public.name, header.payload_bytes)
+            segment.write(segment_header(header, proof), parts)
+            os.link(segment.path, public)
+        except OSError as exc:
+            self._warn_once(
+                exc.strerror or str(exc), "shared-memory segment failed (%s); items go as chunks", exc
+            )
+            return self._as_chunks(header, pb.SHM_WRITE_FAILED, token, request_id)
+        segment.public, segment.placed_at = public, time.monotonic()
+        header.shm.segment, header.shm.proof = public.name, proof
+        self.stats.items += 1
+        self.stats.bytes += header.payload_bytes
+        return segment
+
+    def _as_chunks(
+        self, header: pb.ItemHeader, reason: pb.ShmFallback, token: bytes, request_id: str
+    ) -> None:
+        """The item follows as chunks; the proof still shows the receiver this server read its probe."""
+        self.fallback(header, reason)
+        header.shm.proof = item_proof(token, request_id, header.index, "", header.payload_bytes)
+
+    def fallback(self, header: pb.ItemHeader, reason: pb.ShmFallback) -> None:
+        header.shm.fallback = reason
+        self.stats.fallbacks[pb.ShmFallback.Name(reason).removeprefix("SHM_").lower()] += 1
+
+    def take_back(self, segment: _Segment, public: Path) -> None:
+        """Unlinks an announced name of a call that ended early (cancel, deadline, error)."""
+        if segment.public != public:
+            return  # released (or taken back) already, maybe reused since
+        if self._unannounce(segment):
+            self.stats.reclaimed_cancel += 1
+        else:
+            self.stats.released += 1
+
+    def _acquire(self, size: int, owner: int) -> _Segment | None:
+        free = self._free_fitting(size, owner)
+        if not free:
+            self._collect(time.monotonic())  # an fstat per announced segment: only when it may help
+            free = self._free_fitting(size, owner)
+        if free:
+            return min(free, key=lambda s: s.capacity)
+        free = [s for s in self._segments if s.public is None]
+        capacity = -(-size // _GRANULE) * _GRANULE
+        if capacity > self.config.max_bytes:
+            return None
+        free.sort(key=lambda s: s.last_used)
+        while free and self.pool_bytes + capacity > self.config.max_bytes:
+            self._drop(free.pop(0))
+        if self.pool_bytes + capacity > self.config.max_bytes:
+            return None
+        segment = _Segment(self.directory, self.instance, capacity, owner)
+        self._segments.append(segment)
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.pool_bytes)
+        return segment
+
+    def _free_fitting(self, size: int, owner: int) -> list[_Segment]:
+        # Never across owners: a receiver keeps the segments it read mapped, so a segment handed to
+        # another user would show that user's embeddings to the first.
+        return [s for s in self._segments if s.public is None and s.capacity >= size and s.owner == owner]
+
+    def _collect(self, now: float) -> int:
+        """Frees segments their receiver released or that timed out; returns how many stay announced."""
+        announced = 0
+        for segment in self._segments:
+            if segment.public is None:
+                continue
+            if segment.released():
+                segment.public, segment.last_used = None, now
+                self.stats.released += 1
+            elif now - segment.placed_at > self.config.release_timeout_s:
+                if self._unannounce(segment):
+                    self.stats.reclaimed_timeout += 1
+                else:
+                    self.stats.released += 1
+            else:
+                announced += 1
+        return announced
+
+    def _unannounce(self, segment: _Segment) -> bool:
+        """Unlinks the segment's announced name; False when its receiver had unlinked it already."""
+        assert segment.public is not None
+        try:
+            segment.public.unlink()
+            taken = True
+        except FileNotFoundError:
+            taken = False
+        segment.public, segment.last_used = None, time.monotonic()
+        return taken
+
+    def _drop(self, segment: _Segment) -> None:
+        self._segments.remove(segment)
+        segment.close()
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        self._collect(now)
+        for segment in [
+            s for s in self._segments if s.public is None and now - s.last_used > self.config.keep_free_s
+        ]:
+            self._drop(segment)
+
+    async def _reap_forever(self) -> None:
+        period = min(1.0, self.config.release_timeout_s / 4)
+        next_sweep = time.monotonic() + self.config.release_timeout_s
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self._reap()
+                if time.monotonic() >= next_sweep:  # probes of receivers that died, files of dead servers
+                    sweep_stale(self.directory)
+                    next_sweep = time.monotonic() + self.config.release_timeout_s
+            except OSError as exc:
+                self._warn_once(str(exc), "shared-memory reaper: %s", exc)
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        level = logging.DEBUG if key in self._warned else logging.WARNING
+        self._warned.add(key)
+        log.log(level, message, *args)
+
+
+class ShmCall:
+    """One Encode call's use of the fast path: whether it was offered and proven, and its segments."""
+
+    def __init__(self, segments: ShmSegments | None, request: pb.EncodeRequest):
+        self.offered = request.HasField("shm")
+        self.request_id = request.request_id
+        self._segments = segments
+        self._probe = (
+            segments.read_probe(request.shm.probe) if self.offered and segments is not None else None
+        )
+        self._placed: list[tuple[_Segment, Path]] = []
+        self._handed_over = False
+
+    def place(self, header: pb.ItemHeader, parts: Sequence[torch.Tensor]) -> bool:
+        """Puts the item's payload in shared memory when it can; False: send it as chunks."""
+        if not self.offered:
+            return False
+        if self._segments is None:
+            header.shm.fallback = pb.SHM_DISABLED
+            return False
+        if self._probe is None:
+            self._segments.fallback(header, pb.SHM_PROBE_UNREADABLE)
+            return False
+        token, owner = self._probe
+        segment = self._segments.place(header, parts, token, owner, self.request_id)
+        if segment is None:
+            return False
+        self._placed.append((segment, segment.public))
+        return True
+
+    def hand_over(self) -> None:
+        """The stream completed: releasing its segments is up to the receiver (or the reaper) now."""
+        self._handed_over = True
+
+    def close(self) -> None:
+        """Takes back the segments of a call that did not complete."""
+        if self._segments is not None and not self._handed_over:
+            for segment, public in self._placed:
+                self._segments.take_back(segment, public)
+        self._placed.clear()

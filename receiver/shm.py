@@ -1,0 +1,268 @@
+"""Receiver side of the same-host fast path: the probe that lets a server prove it shares this host's
+memory, and reading an announced segment into an item's tensor (checked, then unlinked)."""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import mmap
+import os
+import secrets
+import stat
+import time
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from protos import encoder_pb2 as pb
+from protos.errors import SharedMemoryUnavailableError
+from protos.shm import (
+    HEADER_BYTES,
+    RECEIVER_KIND,
+    SHM_DIR,
+    TOKEN_BYTES,
+    create_locked,
+    is_segment_name,
+    item_proof,
+    new_instance,
+    segment_header,
+    sweep_stale,
+)
+
+log = logging.getLogger(__name__)
+
+TRANSFERS = ("auto", "grpc", "shm")
+
+# Server pool segments kept mapped; more than a server's pool ever holds at the default budget.
+_MAX_MAPPINGS = 64
+# How often reading lets go of mappings whose segment the server gave up (its memory is ours alone then).
+_FORGET_DROPPED_S = 1.0
+
+
+class Placement(enum.Enum):
+    """Where an item's payload is, once its header has been read."""
+
+    FILLED = "filled"  # read from shared memory into the item's tensor
+    CHUNKS = "chunks"  # follows on the stream as chunks
+    REFETCH = "refetch"  # announced in a segment that could not be used: fetch the item again
+
+
+@dataclass
+class TransferStats:
+    """Items of a receiver's calls that offered shared memory: how many took it, and why others did not."""
+
+    items_shm: int = 0
+    bytes_shm: int = 0
+    fallbacks: Counter[str] = field(default_factory=Counter)  # reason -> items that came over gRPC
+
+    @property
+    def items_grpc(self) -> int:
+        return sum(self.fallbacks.values())
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        super().__init__(detail)
+
+
+class _Mapping:
+    """A server's pool segment, mapped read-only once and reused for every item announced in it:
+    mapping a segment costs about as much as copying it, and the server reuses its segments."""
+
+    def __init__(self, fd: int, size: int):
+        self.size = size
+        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        self.fd = os.dup(fd)
+
+    def dropped(self) -> bool:
+        """The server gave the segment up: only this mapping keeps its memory."""
+        return os.fstat(self.fd).st_nlink == 0
+
+    def close(self) -> None:
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a view still uses it: the mapping goes with that view
+        os.close(self.fd)
+
+
+def _release(path: Path, fd: int, mappings: dict[tuple[int, int], _Mapping]) -> None:
+    path.unlink(missing_ok=True)
+    os.close(fd)
+    for mapping in mappings.values():
+        mapping.close()
+    mappings.clear()
+
+
+class ShmReceiver:
+    """One receiver's probe (a 0600 segment holding a random token, locked while the receiver lives)
+    and the reading of segments that servers announce for it."""
+
+    def __init__(self, strict: bool, directory: Path | None = None):
+        self.strict = strict
+        self.directory = directory or SHM_DIR
+        sweep_stale(self.directory)  # what dead encoders and receivers left on this host
+        self.probe = f"{new_instance(RECEIVER_KIND)}.probe"
+        self._token = secrets.token_bytes(TOKEN_BYTES)
+        fd = create_locked(self.directory / self.probe, self._token)
+        self._mappings: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()  # by (st_dev, st_ino)
+        self._dropped_checked = time.monotonic()
+        self._finalizer = weakref.finalize(self, _release, self.directory / self.probe, fd, self._mappings)
+        self.stats = TransferStats()
+
+    @classmethod
+    def for_transfer(cls, transfer: str) -> ShmReceiver | None:
+        """The fast path for `transfer`: None for "grpc", and for "auto" without a usable /dev/shm."""
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
+        if transfer == "grpc":
+            return None
+        try:
+            return cls(strict=transfer == "shm")
+        except OSError as exc:
+            if transfer == "shm":
+                raise SharedMemoryUnavailableError(
+                    f"cannot create a shared-memory probe in {SHM_DIR}: {exc}"
+                ) from None
+            log.info("no shared-memory transfer (%s): payloads come over the gRPC stream", exc)
+            return None
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def offer(self) -> pb.ShmOffer:
+        return pb.ShmOffer(probe=self.probe)
+
+    def reader(self, request_id: str) -> Callable[[pb.ItemHeader, np.ndarray], Placement]:
+        """`take` for one call."""
+        return functools.partial(self.take, request_id)
+
+    def take(self, request_id: str, header: pb.ItemHeader, into: np.ndarray) -> Placement:
+        """Reads the item's payload from its segment into `into` (uint8, payload_bytes long) when the
+        header announces one and everything checks out; says where the payload is otherwise.
+
+        Raises SharedMemoryUnavailableError in strict mode when the server did not prove it shares
+        this host's memory.
+        """
+        placement = header.shm if header.HasField("shm") else None
+        if placement is None:
+            return self._not_negotiated(
+                "unsupported", "the server predates the shared-memory path", Placement.CHUNKS
+            )
+        if placement.fallback in (pb.SHM_DISABLED, pb.SHM_PROBE_UNREADABLE):
+            why = {
+                pb.SHM_DISABLED: "the server runs without --shm-transfer",
+                pb.SHM_PROBE_UNREADABLE: "the server cannot read this receiver's probe "
+                "(another host, container or user)",
+            }[placement.fallback]
+            return self._not_negotiated(_reason(placement.fallback), why, Placement.CHUNKS)
+        proof = item_proof(self._token, request_id, header.index, placement.segment, header.payload_bytes)
+        if not secrets.compare_digest(proof, placement.proof):
+            # No chunks follow a header that names a segment: such an item has to be fetched again.
+            follows = Placement.REFETCH if placement.segment else Placement.CHUNKS
+            return self._not_negotiated(
+                "bad_proof", f"item {header.index}: the server's proof does not match", follows
+            )
+        if not placement.segment:
+            self.stats.fallbacks[_reason(placement.fallback)] += 1
+            return Placement.CHUNKS
+        try:
+            self._read(placement.segment, segment_header(header, proof), into)
+        except _Refused as exc:
+            log.warning(
+                "item %d of request %r: shared-memory segment refused (%s); fetching it over gRPC",
+                header.index,
+                request_id,
+                exc,
+            )
+            self.stats.fallbacks[exc.reason] += 1
+            return Placement.REFETCH
+        self.stats.items_shm += 1
+        self.stats.bytes_shm += header.payload_bytes
+        return Placement.FILLED
+
+    def _not_negotiated(self, reason: str, why: str, follows: Placement) -> Placement:
+        if self.strict:
+            raise SharedMemoryUnavailableError(f"shared-memory transfer unavailable: {why}")
+        self.stats.fallbacks[reason] += 1
+        return follows
+
+    def _read(self, name: str, expected_header: bytes, into: np.ndarray) -> None:
+        """Checks the segment against what the stream announced, copies its payload, unlinks it."""
+        if not is_segment_name(name):
+            raise _Refused("bad_name", f"{name!r} is not a segment name")
+        path = self.directory / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise _Refused("missing", f"{name} does not exist") from None
+        except PermissionError:
+            raise _Refused("permission_denied", f"{name}: permission denied") from None
+        except OSError as exc:
+            raise _Refused("read_failed", f"{name}: {exc}") from None
+        try:
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                    raise _Refused(
+                        "not_private", f"{name} is not a file of this user's, readable by it alone"
+                    )
+                if st.st_size < HEADER_BYTES + len(into):
+                    raise _Refused(
+                        "size_mismatch", f"{name} holds {st.st_size} bytes, the stream announced {len(into)}"
+                    )
+                mapping = self._mapping(fd, st)
+            except OSError as exc:
+                raise _Refused("read_failed", f"{name}: {exc}") from None
+            finally:
+                os.close(fd)
+            refused = _copy_checked(mapping.map, expected_header, into)
+            if refused == "header_mismatch":
+                raise _Refused(refused, f"{name}'s header does not match the stream's")
+            if refused == "overwritten":
+                raise _Refused(refused, f"{name} was taken back while being read")
+        finally:
+            try:
+                path.unlink()  # releases the segment to the server, used or refused
+            except OSError:
+                pass
+
+    def _mapping(self, fd: int, st: os.stat_result) -> _Mapping:
+        key = (st.st_dev, st.st_ino)
+        mapping = self._mappings.pop(key, None)
+        now = time.monotonic()
+        if mapping is None or now - self._dropped_checked > _FORGET_DROPPED_S:
+            self._dropped_checked = now
+            for old in [k for k, m in self._mappings.items() if m.dropped()]:
+                self._mappings.pop(old).close()
+        if mapping is None or mapping.size != st.st_size:
+            if mapping is not None:
+                mapping.close()
+            mapping = _Mapping(fd, st.st_size)
+        self._mappings[key] = mapping  # most recently used last
+        while len(self._mappings) > _MAX_MAPPINGS:
+            self._mappings.popitem(last=False)[1].close()
+        return mapping
+
+
+def _copy_checked(segment: mmap.mmap, expected_header: bytes, into: np.ndarray) -> str | None:
+    """Copies the payload when the header matches before and after; else says which check failed.
+
+    Returns rather than raises, so that no traceback keeps a view of the mapping alive.
+    """
+    view = np.frombuffer(segment, dtype=np.uint8)
+    if view[:HEADER_BYTES].tobytes() != expected_header:
+        return "header_mismatch"
+    np.copyto(into, view[HEADER_BYTES : HEADER_BYTES + len(into)])
+    # The server zeroes the header before reusing a segment: a reader it overtook sees that.
+    return "overwritten" if view[:HEADER_BYTES].tobytes() != expected_header else None
+
+
+def _reason(fallback: pb.ShmFallback) -> str:
+    return pb.ShmFallback.Name(fallback).removeprefix("SHM_").lower()

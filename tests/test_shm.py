@@ -1,0 +1,550 @@
+"""The same-host shared-memory path: identical bytes, bounded, no leaks whoever dies, private, and
+refused when it does not match the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+import encoder_server.shm
+from encoder_server.batcher import BatchingConfig
+from encoder_server.shm import ShmConfig, ShmSegments
+from protos import encoder_pb2 as pb
+from protos.shm import (
+    SERVER_KIND,
+    SHM_DIR,
+    create_locked,
+    item_proof,
+    new_instance,
+    random_name,
+    segment_header,
+    sweep_stale,
+)
+from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
+from receiver.buffers import BufferPool
+from receiver.channels import EncoderEndpoint
+from receiver.shm import Placement, ShmReceiver
+from tests.support import REPO_ROOT, FixedSizeEncoder, image_bytes, running_server, server_process
+
+# 600 tokens x 2048 bf16, plus one deepstack layer: 4.9 MB, over gRPC's 4 MiB message limit.
+NUM_TOKENS = 600
+ITEM_BYTES = 2 * NUM_TOKENS * 2048 * 2
+NOBODY = 65534
+
+
+def fixed_encoder(**kwargs) -> FixedSizeEncoder:
+    return FixedSizeEncoder(NUM_TOKENS, num_deepstack_layers=1, **kwargs)
+
+
+def items(n: int, first_width: int = 8) -> list[dict]:
+    """Images of distinct widths: the double gives each its own embedding."""
+    return [{"modality": "image", "data": image_bytes(first_width + i, 8, seed=i)} for i in range(n)]
+
+
+def files_of(instance: str) -> list[str]:
+    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(instance + "."))
+
+
+def segments_of(instance: str) -> list[str]:
+    return [name for name in files_of(instance) if ".seg." in name]
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def assert_same_bytes(got, want) -> None:
+    assert [i.index for i in got.items] == [i.index for i in want.items]
+    for a, b in zip(got.items, want.items):
+        assert a.embedding.dtype == b.embedding.dtype and a.embedding.shape == b.embedding.shape
+        assert torch.equal(a.embedding.view(torch.uint8), b.embedding.view(torch.uint8))
+        assert (a.deepstack is None) == (b.deepstack is None)
+        if a.deepstack is not None:
+            assert torch.equal(a.deepstack.view(torch.uint8), b.deepstack.view(torch.uint8))
+
+
+def offer_request(request_id: str, shm: ShmReceiver, n: int, width: int = 8) -> pb.EncodeRequest:
+    return pb.EncodeRequest(
+        request_id=request_id,
+        items=[
+            pb.ImageItem(index=i, modality=pb.IMAGE, data=image_bytes(width + i, width)) for i in range(n)
+        ],
+        shm=shm.offer(),
+    )
+
+
+@pytest.fixture(scope="module")
+async def shm_server(default_model_dir):
+    async with running_server(
+        default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(release_timeout_s=5.0)
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+async def slow_server(default_model_dir):
+    """Half a second per item, one item per forward: calls are still running when a test cuts them off."""
+    slow = fixed_encoder(forward_s=0.5)
+    batching = BatchingConfig(max_batch_images=1)
+    async with running_server(default_model_dir, encoder=slow, shm=ShmConfig(), batching=batching) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+async def plain_server(default_model_dir):
+    async with running_server(default_model_dir, encoder=fixed_encoder()) as server:
+        yield server
+
+
+async def test_real_model_results_are_byte_identical_to_the_grpc_stream(default_model_dir):
+    # One image per forward, so both runs compute each item alike; 700x700 is 625 tokens x 2048 fp32 = 5.1 MB.
+    images = [{"data": image_bytes(w, h, seed=w)} for w, h in [(28, 28), (640, 480), (700, 700)]]
+    async with running_server(  # min_bytes=0: the 32 KiB item through a segment too
+        default_model_dir, shm=ShmConfig(min_bytes=0), batching=BatchingConfig(max_batch_images=1)
+    ) as server:
+        async with EncoderReceiver([server.url], transfer="shm") as rx:
+            over_shm = await rx.encode("shm", images)
+            stats = rx.transfer_stats
+        async with EncoderReceiver([server.url], transfer="grpc") as rx:
+            over_grpc = await rx.encode("grpc", images)
+        assert server.shm.stats.items == 3 and server.shm.outstanding() == []
+    assert stats.items_shm == 3 and stats.items_grpc == 0
+    assert over_shm.items[-1].embedding.numel() * 4 > 4 << 20
+    assert_same_bytes(over_shm, over_grpc)
+
+
+async def test_bf16_with_deepstack_is_byte_identical_and_lands_in_each_items_slot(shm_server):
+    encoder = shm_server.encoder
+    async with EncoderReceiver([shm_server.url], transfer="grpc") as rx:
+        over_grpc = await rx.encode("grpc", items(5))
+    async with EncoderReceiver([shm_server.url]) as rx:  # "auto"
+        over_shm = await rx.encode("auto", items(5))
+        concurrent = await asyncio.gather(
+            *(rx.encode(f"c{i}", items(3, first_width=20 + i)) for i in range(6))
+        )
+        stats = rx.transfer_stats
+    assert_same_bytes(over_shm, over_grpc)
+    assert over_shm.items[0].deepstack.shape == (1, NUM_TOKENS, 2048)
+    for i, result in enumerate(concurrent):
+        for k, item in enumerate(result.items):
+            want = encoder.output(20 + i + k)
+            assert torch.equal(item.embedding, want.embedding) and torch.equal(item.deepstack, want.deepstack)
+    assert stats.items_shm == 5 + 18 and stats.bytes_shm == 23 * ITEM_BYTES and not stats.fallbacks
+
+
+async def test_no_segment_left_after_normal_use_and_nothing_after_stop(default_model_dir):
+    async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig()) as server:
+        instance = server.shm.instance
+        async with EncoderReceiver([server.url], transfer="shm") as rx:
+            for n in (1, 4):
+                await rx.encode(f"n{n}", items(n))
+            probe = rx._shm.probe
+            assert probe in os.listdir(SHM_DIR)
+            assert segments_of(instance) == [] and server.shm.outstanding() == []
+            assert server.shm.stats.released == 5
+            assert any(".pool." in name for name in files_of(instance))  # kept warm for reuse
+        assert probe not in os.listdir(SHM_DIR)
+    assert files_of(instance) == []
+
+
+async def test_budget_bounds_segments_and_items_beyond_it_go_over_grpc(default_model_dir):
+    # One item's segment is 6 MiB (rounded up): a 7 MiB budget holds one at a time, 1 MiB none.
+    async with running_server(
+        default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(max_bytes=7 << 20)
+    ) as server:
+        async with EncoderReceiver([server.url], transfer="grpc") as rx:
+            want = await rx.encode("grpc", items(6))
+        async with EncoderReceiver(
+            [server.url], transfer="shm"
+        ) as rx:  # proven per-item fallback is no error
+            got = await rx.encode("shm", items(6))
+            stats = rx.transfer_stats
+        assert server.shm.stats.peak_bytes <= 7 << 20 and server.shm.pool_bytes <= 7 << 20
+    assert_same_bytes(got, want)
+    assert stats.items_shm >= 1 and stats.items_shm + stats.fallbacks["budget_full"] == 6
+    assert set(stats.fallbacks) <= {"budget_full"}
+
+    async with running_server(
+        default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(max_bytes=1 << 20)
+    ) as server:
+        async with EncoderReceiver([server.url]) as rx:
+            got = await rx.encode("tiny", items(6))
+            stats = rx.transfer_stats
+        assert server.shm.stats.peak_bytes == 0 and server.shm.stats.fallbacks == {"budget_full": 6}
+    assert_same_bytes(got, want)
+    assert stats.items_shm == 0 and stats.fallbacks == {"budget_full": 6}
+
+
+async def test_shm_mode_fails_and_auto_falls_back_when_the_server_lacks_shm_transfer(
+    plain_server, shm_server
+):
+    async with EncoderReceiver([plain_server.url], transfer="shm") as rx:
+        with pytest.raises(ShardError) as raised:
+            await rx.encode("strict", items(2))
+    assert "without --shm-transfer" in str(raised.value) and raised.value.encoder_url == plain_server.url
+    async with EncoderReceiver([plain_server.url]) as rx:
+        got = await rx.encode("auto", items(2))
+        assert rx.transfer_stats.fallbacks == {"disabled": 2} and rx.transfer_stats.items_shm == 0
+    async with EncoderReceiver([shm_server.url], transfer="grpc") as rx:
+        assert_same_bytes(got, await rx.encode("grpc", items(2)))
+        assert rx._shm is None
+    with pytest.raises(ValueError, match="transfer must be one of"):
+        EncoderReceiver([plain_server.url], transfer="tcp")
+
+
+async def test_a_server_that_cannot_see_the_probe_is_not_used(default_model_dir, tmp_path):
+    # The server's segments live elsewhere than the receiver's probe: as if on another host.
+    elsewhere = tmp_path / "other-host-shm"
+    elsewhere.mkdir()
+    config = ShmConfig(directory=elsewhere)
+    async with running_server(default_model_dir, encoder=fixed_encoder(), shm=config) as server:
+        async with EncoderReceiver([server.url]) as rx:
+            await rx.encode("auto", items(2))
+            assert rx.transfer_stats.fallbacks == {"probe_unreadable": 2}
+        async with EncoderReceiver([server.url], transfer="shm") as rx:
+            with pytest.raises(ShardError, match="cannot read this receiver's probe"):
+                await rx.encode("strict", items(2))
+        assert server.shm.stats.items == 0
+
+
+async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_token(shm_server):
+    shm = ShmReceiver(strict=True)
+    endpoint = EncoderEndpoint.connect(shm_server.url)
+    request = offer_request("private", shm, 3)
+    assert shm._token not in request.SerializeToString()  # the offer names the probe, never the token
+    assert stat.S_IMODE(os.stat(SHM_DIR / shm.probe).st_mode) == 0o600
+    try:
+        headers = [message async for message in endpoint.encode(request, timeout=30)]
+        names = [header.shm.segment for header in headers]
+        instance = shm_server.shm.instance
+        assert len(set(names)) == 3
+        for name in names:
+            path = SHM_DIR / name
+            st = os.stat(path)
+            assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+            random_part = name.removeprefix(f"{instance}.seg.")
+            assert len(random_part) == 32 and int(random_part, 16) >= 0
+            if os.geteuid() == 0:  # another user cannot read it
+                other = subprocess.run(["cat", str(path)], user=NOBODY, capture_output=True, timeout=30)
+                assert other.returncode != 0 and b"Permission denied" in other.stderr
+            path.unlink()  # what a receiver does once it has the bytes
+        assert shm_server.shm.outstanding() == []
+    finally:
+        await endpoint.close()
+        shm.close()
+
+
+async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
+    shm = ShmReceiver(strict=True)
+    endpoint = EncoderEndpoint.connect(slow_server.url)
+    try:
+        call = endpoint.encode(offer_request("cancel", shm, 3), timeout=30)
+        first = await call.read()  # the next item is still in its forward
+        assert first.shm.segment in os.listdir(SHM_DIR)
+        before = slow_server.shm.stats.reclaimed_cancel
+        call.cancel()
+        assert await wait_until(lambda: segments_of(slow_server.shm.instance) == [])
+        assert slow_server.shm.stats.reclaimed_cancel - before >= 1 and slow_server.shm.outstanding() == []
+    finally:
+        await endpoint.close()
+        shm.close()
+
+
+async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
+    server = slow_server
+    shm = ShmReceiver(strict=True)
+    endpoint = EncoderEndpoint.connect(server.url)
+    try:
+        # 4 items take 2 s at least; the first comes after 0.5 s (1 s behind a forward left running).
+        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=1.5)
+        first = await call.read()
+        assert first.shm.segment in os.listdir(SHM_DIR)
+        before = server.shm.stats.reclaimed_cancel
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            while await call.read() is not grpc.aio.EOF:  # headers only: nobody reads their segments
+                pass
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await wait_until(lambda: segments_of(server.shm.instance) == [])
+        assert server.shm.stats.reclaimed_cancel - before >= 1
+    finally:
+        await endpoint.close()
+        shm.close()
+    async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
+        with pytest.raises(ShardError) as raised:
+            await rx.encode("deadline", items(4), timeout=1.5)
+    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
+
+
+RECEIVER_SCRIPT = """
+import asyncio, io, sys
+from PIL import Image
+from protos import encoder_pb2 as pb
+from receiver.buffers import BufferPool
+from receiver.channels import EncoderEndpoint
+from receiver.shm import ShmReceiver
+
+def image_bytes(width, height):
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height)).save(buf, "PNG")
+    return buf.getvalue()
+
+async def main(url):
+    shm = ShmReceiver(strict=True)
+    endpoint = EncoderEndpoint.connect(url)
+    def request(request_id, n):
+        items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=image_bytes(8 + i, 8)) for i in range(n)]
+        return pb.EncodeRequest(request_id=request_id, items=items, shm=shm.offer())
+    # A call read to its end whose segment is never read: only the server's timeout takes it back.
+    whole = [m async for m in endpoint.encode(request("whole", 1))]
+    print("segment", whole[0].shm.segment, flush=True)
+    # A call that the SIGKILL cuts off mid-stream.
+    call = endpoint.encode(request("cut", 3))
+    print("segment", (await call.read()).shm.segment, flush=True)
+    print("probe", shm.probe, flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(default_model_dir):
+    config = ShmConfig(release_timeout_s=1.0)
+    slow = fixed_encoder(forward_s=0.2)
+    async with running_server(
+        default_model_dir, encoder=slow, shm=config, batching=BatchingConfig(max_batch_images=1)
+    ) as server:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", RECEIVER_SCRIPT, server.url, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
+        )
+        try:
+            lines = []
+            while not lines or lines[-1][0] != "probe":
+                line = await asyncio.wait_for(child.stdout.readline(), timeout=60)
+                assert line, "receiver process exited early"
+                lines.append(line.decode().split())
+            segments = [name for kind, name in lines if kind == "segment"]
+            probe = lines[-1][1]
+            assert all(name in os.listdir(SHM_DIR) for name in [*segments, probe])
+            child.send_signal(signal.SIGKILL)
+            await child.wait()
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+        # The cut call's segment goes at once, the whole call's after 1 s, the probe at the next sweep.
+        gone = lambda: not set([*segments, probe]) & set(os.listdir(SHM_DIR))  # noqa: E731
+        assert await wait_until(gone, timeout=15)
+        stats = server.shm.stats
+        assert stats.reclaimed_timeout >= 1 and stats.reclaimed_cancel >= 1
+        assert server.shm.outstanding() == []
+
+
+async def test_server_sigkill_leaves_files_that_receivers_and_the_next_server_remove(
+    default_model_dir, tmp_path
+):
+    async def leave_segment_behind(launched) -> str:
+        """An announced segment nobody reads, then SIGKILL: returns the dead server's instance."""
+        shm = ShmReceiver(strict=True)
+        endpoint = EncoderEndpoint.connect(launched.url)
+        try:
+            # 224x224 is 64 tokens x 2048 bf16: 256 KiB, well over the server's min_bytes
+            header = await endpoint.encode(offer_request("left", shm, 2, width=224), timeout=60).read()
+            launched.process.send_signal(signal.SIGKILL)
+            launched.process.wait(timeout=30)
+        finally:
+            await endpoint.close()
+            shm.close()
+        instance = header.shm.segment.split(".seg.")[0]
+        left = files_of(instance)
+        assert f"{instance}.lock" in left and header.shm.segment in left and any(".pool." in n for n in left)
+        return instance
+
+    with server_process(default_model_dir, "--shm-transfer", log_dir=tmp_path) as first:
+        dead = await leave_segment_behind(first)
+    ShmReceiver(strict=True).close()  # a receiver starting up removes a dead server's files
+    assert files_of(dead) == []
+
+    with server_process(default_model_dir, "--shm-transfer", log_dir=tmp_path) as second:
+        dead = await leave_segment_behind(second)
+    async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig()):
+        assert files_of(dead) == []  # the next server's start removed them
+
+
+def test_sweep_removes_dead_instances_only(tmp_path):
+    live = new_instance(SERVER_KIND)
+    dead = new_instance(SERVER_KIND)
+    live_fd = create_locked(tmp_path / f"{live}.lock")
+    os.close(create_locked(tmp_path / f"{dead}.lock"))  # closing the fd drops the lock, as dying does
+    for instance in (live, dead):
+        (tmp_path / random_name(instance, "seg")).write_bytes(b"x")
+    stranger = tmp_path / "someone-elses-file"
+    stranger.write_bytes(b"y")
+    before = set(os.listdir(tmp_path))
+    try:
+        removed = sweep_stale(tmp_path)
+        remaining = set(os.listdir(tmp_path))
+    finally:
+        os.close(live_fd)
+    assert len(removed) == 2 and set(removed) == {name for name in before if name.startswith(dead + ".")}
+    assert remaining == before - set(removed) and len(remaining) == 3
+
+
+class TestRefusal:
+    """A receiver reads a segment only when it matches what the stream announced."""
+
+    PAYLOAD = bytes(range(256)) * 2
+
+    @pytest.fixture
+    def shm(self):
+        receiver = ShmReceiver(strict=False)
+        yield receiver
+        receiver.close()
+
+    def announce(self, shm: ShmReceiver, *, mode: int = 0o600, payload: bytes = PAYLOAD, **segment_fields):
+        """Item 3's header as the stream would send it, and its segment as a server would write it,
+        with `segment_fields` of the segment's own header changed."""
+        header = pb.ItemHeader(index=3, num_tokens=16, hidden_size=8, dtype=pb.FLOAT32, payload_bytes=512)
+        name = random_name(new_instance(SERVER_KIND), "seg")
+        proof = item_proof(shm._token, "req", 3, name, 512)
+        header.shm.segment, header.shm.proof = name, proof
+        written = pb.ItemHeader()
+        written.CopyFrom(header)
+        for key, value in segment_fields.items():
+            setattr(written, key, value)
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        os.fchmod(fd, mode)
+        os.write(fd, segment_header(written, proof) + payload)
+        os.close(fd)
+        return header, path
+
+    def test_a_matching_segment_is_read_and_unlinked(self, shm):
+        header, path = self.announce(shm)
+        into = torch.zeros(512, dtype=torch.uint8).numpy()
+        assert shm.take("req", header, into) is Placement.FILLED
+        assert into.tobytes() == self.PAYLOAD and not path.exists()
+
+    @pytest.mark.parametrize(
+        "change, reason",
+        [
+            ({"payload": PAYLOAD[:300]}, "size_mismatch"),
+            ({"index": 4}, "header_mismatch"),
+            ({"num_tokens": 32}, "header_mismatch"),
+            ({"payload_bytes": 511}, "header_mismatch"),
+            ({"mode": 0o644}, "not_private"),
+        ],
+    )
+    def test_a_mismatching_segment_is_refused_unread(self, shm, change, reason):
+        header, path = self.announce(shm, **change)
+        into = torch.zeros(512, dtype=torch.uint8).numpy()
+        assert shm.take("req", header, into) is Placement.REFETCH
+        assert not into.any() and shm.stats.fallbacks == {reason: 1}
+        path.unlink(missing_ok=True)
+
+    def test_a_missing_segment_or_a_wrong_proof_is_refused(self, shm):
+        header, path = self.announce(shm)
+        path.unlink()
+        into = torch.zeros(512, dtype=torch.uint8).numpy()
+        assert shm.take("req", header, into) is Placement.REFETCH
+        header, path = self.announce(shm)
+        assert shm.take("another request", header, into) is Placement.REFETCH  # the proof binds the request
+        assert path.exists() and not into.any()  # an unproven name is not touched
+        assert shm.stats.fallbacks == {"missing": 1, "bad_proof": 1}
+        shm.strict = True
+        with pytest.raises(SharedMemoryUnavailableError, match="proof does not match"):
+            shm.take("another request", header, into)
+        path.unlink()
+
+
+async def test_refused_segments_are_fetched_again_over_the_stream(shm_server, monkeypatch):
+    real = encoder_server.shm.segment_header
+
+    def wrong_index(header, proof):
+        shifted = pb.ItemHeader()
+        shifted.CopyFrom(header)
+        shifted.index += 1
+        return real(shifted, proof)
+
+    async with EncoderReceiver([shm_server.url], transfer="grpc") as rx:
+        want = await rx.encode("grpc", items(3))
+    monkeypatch.setattr(encoder_server.shm, "segment_header", wrong_index)
+    async with EncoderReceiver([shm_server.url], transfer="shm") as rx:
+        got = await rx.encode("refused", items(3))
+        stats = rx.transfer_stats
+    assert_same_bytes(got, want)
+    assert stats.items_shm == 0 and stats.fallbacks == {"header_mismatch": 3}
+    assert await wait_until(lambda: segments_of(shm_server.shm.instance) == [])
+
+
+def test_receive_buffers_are_reused_only_once_every_view_is_gone():
+    pool = BufferPool(max_idle_bytes=12 << 20)
+    small = pool.empty((4, 8), torch.bfloat16)
+    assert pool.idle_bytes == 0 and small.numel() == 32  # small ones are left to malloc
+    shape = (2, 600, 2048)  # 4.9 MB of bf16
+    tensor = pool.empty(shape, torch.bfloat16)
+    tensor.fill_(1.5)
+    address = tensor.data_ptr()
+    embedding, deepstack = tensor[0], tensor[1:]  # what an ItemResult keeps
+    del tensor, embedding
+    assert pool.idle_bytes == 0  # deepstack still uses the memory
+    other = pool.empty(shape, torch.bfloat16)
+    assert other.data_ptr() != address and bool((deepstack == 1.5).all())
+    del deepstack
+    assert pool.idle_bytes == 6 << 20  # rounded up to whole huge pages
+    again = pool.empty(shape, torch.bfloat16)
+    assert again.data_ptr() == address and pool.idle_bytes == 0
+    del other, again
+    assert pool.idle_bytes == 12 << 20
+    extra = [pool.empty(shape, torch.bfloat16) for _ in range(3)]
+    del extra
+    assert pool.idle_bytes == 12 << 20  # the third buffer over the bound is unmapped
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving segments to another user needs root")
+async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers(tmp_path):
+    segments = ShmSegments(ShmConfig(directory=tmp_path, min_bytes=0))
+    await segments.start()
+    payload = torch.arange(1024, dtype=torch.float32)
+    try:
+
+        def place(owner: int) -> tuple[int, int]:
+            header = pb.ItemHeader(
+                index=0, num_tokens=1, hidden_size=1024, dtype=pb.FLOAT32, payload_bytes=4096
+            )
+            assert segments.place(header, [payload], b"t" * 32, owner, "req") is not None
+            st = os.stat(tmp_path / header.shm.segment)
+            (tmp_path / header.shm.segment).unlink()  # released, as a receiver does
+            return st.st_ino, st.st_uid
+
+        first = place(NOBODY)
+        assert first[1] == NOBODY
+        assert place(0) != first  # a free segment of nobody's is not handed to root
+        assert place(NOBODY) == first  # but is reused for nobody
+    finally:
+        await segments.stop()
+    assert os.listdir(tmp_path) == []
+
+
+async def test_small_payloads_go_as_chunks(default_model_dir):
+    tiny = FixedSizeEncoder(4, num_deepstack_layers=0)  # 16 KiB
+    async with running_server(default_model_dir, encoder=tiny, shm=ShmConfig()) as server:
+        async with EncoderReceiver([server.url], transfer="shm") as rx:  # proven, so no error
+            result = await rx.encode("tiny", items(2))
+            assert rx.transfer_stats.fallbacks == {"small_item": 2}
+        assert server.shm.stats.items == 0 and server.shm.pool_bytes == 0
+    assert torch.equal(result.items[1].embedding, tiny.output(9).embedding)
