@@ -225,3 +225,27 @@ def test_build_context_installs_the_project_with_generated_code_and_commands(tmp
         assert module in names
     assert "encoder-server = encoder_server.cli:main" in entry_points
     assert "encoder-client = encoder_server.client_cli:main" in entry_points
+
+
+COLOCATED = REPO_ROOT / "deploy" / "encoder-colocated.yaml"
+
+
+def test_colocated_variant_shares_a_memory_backed_dev_shm_and_enables_shm_transfer(monkeypatch):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="install the test extra")
+    (deployment,) = [doc for doc in yaml.safe_load_all(COLOCATED.read_text()) if doc]
+    for version in KUBERNETES_VERSIONS:
+        version = kubernetes_validate.utils.latest_version() if version == "latest" else version
+        kubernetes_validate.validate(deployment, version, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (shm_volume,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+    assert shm_volume["emptyDir"]["medium"] == "Memory"
+    for container in pod["containers"]:
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["shm"] == "/dev/shm", container["name"]
+    assert pod["securityContext"]["runAsUser"]  # one user for both containers: segments are 0600
+    (encoder,) = [c for c in pod["containers"] if c["name"] == "encoder"]
+    env = {e["name"]: e["value"] for e in encoder["env"]}
+    assert set(env) <= server_env_names()
+    flags = parse_with_env(env, monkeypatch)
+    assert flags["shm_transfer"] is True and int(flags["shm_max_bytes"]) == 1 << 30
+    assert encoder["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
