@@ -10,32 +10,13 @@ import logging
 import os
 import sys
 
-ENV_PREFIX = "ENCODER_"
-
-
-class _EnvDefaults(argparse.ArgumentParser):
-    """An ArgumentParser whose options default to $<env_prefix><OPTION> when that is set."""
-
-    def __init__(self, *args, env_prefix: str = ENV_PREFIX, **kwargs):
-        self.env_prefix = env_prefix
-        super().__init__(*args, **kwargs)
-
-    def add_argument(self, *names, **kwargs):
-        long_name = next((n for n in names if n.startswith("--")), None)
-        if long_name and kwargs.get("action") not in ("help", "version"):
-            env = self.env_prefix + long_name[2:].upper().replace("-", "_")
-            if env in os.environ:
-                raw = os.environ[env]
-                kwargs["default"] = (raw.lower() in ("1", "true", "yes")) if kwargs.get("action") == "store_true" else raw
-            kwargs["help"] = f"{kwargs.get('help', '')} [env {env}; default: %(default)s]"
-        return super().add_argument(*names, **kwargs)
-
+from protos.env_flags import EnvDefaultsParser
 
 def build_parser() -> argparse.ArgumentParser:
     from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
 
-    p = _EnvDefaults(prog="encoder-server", description="Serve a VLM's vision tower over gRPC.")
-    p.add_argument("--model", required="ENCODER_MODEL" not in os.environ, help="checkpoint directory (Hugging Face layout)")
+    p = EnvDefaultsParser(prog="encoder-server", env_prefix="ENCODER_", description="Serve a VLM's vision tower over gRPC.")
+    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on ('::' for all IPv6)")
     p.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="cuda when present, else cpu")

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from protos import encoder_pb2 as pb
 from protos import wire
+from protos.env_flags import EnvDefaultsParser
 from protos.errors import EncoderError, InvalidItemError
 
 from .client import EncoderReceiver
@@ -323,8 +324,9 @@ def _read_all(paths: Sequence[Path]) -> list[bytes]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = EnvDefaultsParser(
         prog="encoder-precompute",
+        env_prefix="ENCODER_PRECOMPUTE_",
         description="Encode images offline into <sha256>.safetensors files that EncoderReceiver accepts "
         "as precomputed items.",
         fromfile_prefix_chars="@",
@@ -333,13 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
         "paths", nargs="+", help="image files and folders (searched recursively); @FILE reads paths from FILE"
     )
     p.add_argument("--out", required=True, type=Path, help="output directory (one model per directory)")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--encoder-url", action="append", help="a running encoder server, grpc://host:port (repeatable)"
-    )
-    source.add_argument(
-        "--model", help="checkpoint directory to load in-process instead (needs transformers)"
-    )
+    p.add_argument("--encoder-url", default=None, help="running encoder servers, comma-separated grpc://host:port (or --model)")
+    p.add_argument("--model", default=None, help="checkpoint directory to load in-process instead (needs transformers)")
     p.add_argument("--device", default=None, help="with --model: cuda when present, else cpu")
     p.add_argument(
         "--dtype", choices=sorted(wire.DTYPE_NAMES), default="bfloat16", help="with --model: served dtype"
@@ -360,7 +357,7 @@ async def _run(args: argparse.Namespace) -> Summary:
         )
         concurrency = 1  # one forward at a time
     else:
-        backend = ServerBackend(args.encoder_url, args.timeout)
+        backend = ServerBackend([url.strip() for url in args.encoder_url.split(",") if url.strip()], args.timeout)
         concurrency = args.concurrency
     try:
         return await precompute(
@@ -376,7 +373,10 @@ async def _run(args: argparse.Namespace) -> Summary:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.encoder_url is None) == (args.model is None):
+        parser.error("give exactly one of --encoder-url and --model")
     try:
         summary = asyncio.run(_run(args))
     except (EncoderError, FileNotFoundError) as exc:

@@ -8,16 +8,20 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from encoder_server import cli, client_cli
+from encoder_server import cli
+from receiver import cli as client_cli
+from receiver import precompute
 from tests.support import REPO_ROOT
 
 # command -> (module, parser builder, env prefix, arguments a valid command line needs)
 COMMANDS = {
     "encoder-server": ("encoder_server", cli.build_parser, "ENCODER_", []),  # --model: from ENCODER_MODEL below
-    "encoder-client": ("encoder_server.client_cli", client_cli.build_parser, "ENCODER_CLIENT_", ["cat.png"]),
+    "encoder-client": ("receiver.cli", client_cli.build_parser, "ENCODER_CLIENT_", ["cat.png"]),
+    "encoder-precompute": ("receiver.precompute", precompute.build_parser, "ENCODER_PRECOMPUTE_", ["images/"]),
 }
 
 
@@ -77,6 +81,8 @@ def sample_value(action: argparse.Action) -> tuple[str, object]:
         return "2.5", 2.5
     if action.type is cli.port_or_off:
         return "9100", 9100
+    if action.type is Path:
+        return "/from-env", Path("/from-env")
     assert action.type is None, f"add a sample for {action.option_strings} (type {action.type})"
     return "from-env", "from-env"
 
@@ -87,7 +93,8 @@ def test_every_flag_reads_its_environment_variable(command, monkeypatch):
     actions = options(build())
     for action in actions:
         monkeypatch.delenv(env_name(prefix, action), raising=False)
-    monkeypatch.setenv("ENCODER_MODEL", "/models/base")
+    monkeypatch.setenv("ENCODER_MODEL", "/models/base")  # the required flags, from the environment
+    monkeypatch.setenv("ENCODER_PRECOMPUTE_OUT", "/cache/base")
     defaults = vars(build().parse_args(required_args))
     for action in actions:
         raw, expected = sample_value(action)
@@ -129,7 +136,7 @@ def test_console_scripts_point_at_the_commands():
     scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {
         "encoder-server": "encoder_server.cli:main",
-        "encoder-client": "encoder_server.client_cli:main",
+        "encoder-client": "receiver.cli:main",
         "encoder-precompute": "receiver.precompute:main",
     }
     for command, (module, build, _, _) in COMMANDS.items():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from encoder_server import client_cli
+from receiver import cli as client_cli
 from receiver import EncoderReceiver
 from tests.support import image_bytes, running_server
 

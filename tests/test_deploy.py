@@ -224,7 +224,7 @@ def test_build_context_installs_the_project_with_generated_code_and_commands(tmp
     for module in ("protos/encoder_pb2.py", "protos/encoder_pb2_grpc.py", "encoder_server/cli.py", "receiver/discovery.py"):
         assert module in names
     assert "encoder-server = encoder_server.cli:main" in entry_points
-    assert "encoder-client = encoder_server.client_cli:main" in entry_points
+    assert "encoder-client = receiver.cli:main" in entry_points
 
 
 COLOCATED = REPO_ROOT / "deploy" / "encoder-colocated.yaml"

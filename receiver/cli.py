@@ -11,13 +11,13 @@ import time
 import uuid
 from pathlib import Path
 
-from .cli import _EnvDefaults
+from protos.env_flags import EnvDefaultsParser
 
 ENV_PREFIX = "ENCODER_CLIENT_"
 
 
-def build_parser() -> _EnvDefaults:
-    p = _EnvDefaults(
+def build_parser() -> EnvDefaultsParser:
+    p = EnvDefaultsParser(
         prog="encoder-client",
         env_prefix=ENV_PREFIX,
         description="Encode image files on encoder servers and print what came back.",
