@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from encoder_server.default_model import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
 from encoder_server.launcher import launch_server  # noqa: E402
+from encoder_server.models.reference import reference_features  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 
 
@@ -55,23 +56,6 @@ def build_items(workdir: Path) -> tuple[list[dict], list[bytes]]:
         {"modality": "image", "data": tiny},
     ]
     return items, [cat.read_bytes(), wide, small, tall, tiny]
-
-
-def in_process_reference(model_dir: Path, images: list[bytes], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The full VLM's own get_image_features, per image, in this process."""
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText
-
-    from encoder_server.images import decode_image
-
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype).eval()
-    processor = AutoImageProcessor.from_pretrained(str(model_dir))
-    out = []
-    with torch.inference_mode():
-        for data in images:
-            inputs = processor(images=[decode_image(data)], return_tensors="pt")
-            features = model.get_image_features(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
-            out.append(features.pooler_output[0])
-    return out
 
 
 async def encode(urls: list[str], items: list[dict]):
@@ -110,7 +94,7 @@ def main() -> int:
         print(f"request: {result.num_tokens} tokens x {result.embedding.shape[1]} in {total_ms:.0f} ms")
 
     dtype = result.embedding.dtype
-    reference = in_process_reference(model_dir, images, dtype)
+    reference = [features.pooler_output[0] for features in reference_features(model_dir, images, dtype)]
     worst = max((item.embedding.float() - ref.float()).abs().max().item() for item, ref in zip(result.items, reference))
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     ok = worst <= tolerance and all(i.embedding.shape == r.shape for i, r in zip(result.items, reference))

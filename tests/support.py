@@ -15,6 +15,7 @@ from PIL import Image
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig
 from encoder_server.launcher import LaunchedServer, launch_server
+from encoder_server.models.reference import reference_features  # noqa: F401  (tests import it from here)
 from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from encoder_server.server import EncoderServer
 
@@ -30,28 +31,6 @@ def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG", mode: 
     buf = io.BytesIO()
     image.save(buf, fmt)
     return buf.getvalue()
-
-
-def reference_features(model_dir: Path, images: list[bytes], dtype: torch.dtype = torch.float32):
-    """The full VLM's own get_image_features on each image, run in-process: the ground truth.
-
-    Each output's `.pooler_output` holds the image's embedding (a one-element list or tuple);
-    Qwen3-VL's `.deepstack_features` holds, per deepstack layer, a one-element tuple too.
-    """
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText
-
-    from encoder_server.images import decode_image
-
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype).eval()
-    processor = AutoImageProcessor.from_pretrained(str(model_dir))
-    outputs = []
-    with torch.inference_mode():
-        for data in images:
-            inputs = processor(images=[decode_image(data)], return_tensors="pt")
-            # Everything else the processor returns (Qwen's image_grid_thw; nothing for CLIP) goes along.
-            pixel_values = inputs.pop("pixel_values").to(dtype)
-            outputs.append(model.get_image_features(pixel_values=pixel_values, **inputs))
-    return outputs
 
 
 def server_config(model_dir: Path, **overrides) -> ServerConfig:
