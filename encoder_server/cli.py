@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-items-per-request", type=int, default=64, help="items one Encode call may carry")
     p.add_argument("--max-request-bytes", type=int, default=256 << 20, help="largest Encode request accepted")
     p.add_argument("--max-image-pixels", type=int, default=16384 * 16384, help="refuse larger images before decoding")
+    p.add_argument("--cache-bytes", type=int, default=1 << 30, help="embedding cache size in bytes (0: no cache)")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time for running calls on SIGTERM")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up forward before SERVING")
     p.add_argument("--log-level", default="INFO", help="logging level")
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         max_items_per_request=int(args.max_items_per_request),
         max_request_bytes=int(args.max_request_bytes),
         max_image_pixels=int(args.max_image_pixels),
+        cache_bytes=int(args.cache_bytes),
         grace_seconds=float(args.grace_seconds),
         warmup=not args.no_warmup,
     )

@@ -9,6 +9,8 @@ import torch
 from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_IMAGE_PIXELS
 
+DEFAULT_CACHE_BYTES = 1 << 30
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
@@ -22,5 +24,6 @@ class ServerConfig:
     max_items_per_request: int = 64
     max_request_bytes: int = 256 << 20
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    cache_bytes: int = DEFAULT_CACHE_BYTES  # embedding cache size; 0 turns the cache off
     grace_seconds: float = 30.0
     warmup: bool = True

@@ -15,6 +15,7 @@ from PIL import Image
 from protos import encoder_pb2 as pb
 
 from .batcher import Batcher
+from .cache import EmbeddingCache, cache_namespace
 from .config import ServerConfig
 from .default_model import has_random_weights
 from .models import VisionEncoder, load_vision_encoder
@@ -64,7 +65,8 @@ class EncoderServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights)
+        cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec)) if config.cache_bytes else None
+        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights, cache)
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(

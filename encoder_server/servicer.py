@@ -19,7 +19,8 @@ from protos.data_uri import decode_data_uri
 from protos.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
 
 from . import __version__
-from .batcher import Batcher, EncodedItem
+from .batcher import Batcher
+from .cache import EmbeddingCache, ItemPayload
 from .config import ServerConfig
 from .images import decode_image
 from .models import ModelSpec, PreparedImage, VisionEncoder
@@ -87,11 +88,13 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         preprocess_pool: Executor,
         config: ServerConfig,
         random_weights: bool,
+        cache: EmbeddingCache | None = None,
     ):
         self.encoder = encoder
         self.batcher = batcher
         self.preprocess_pool = preprocess_pool
         self.config = config
+        self.cache = cache
         self.info = model_info(encoder.spec, config, random_weights)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
@@ -101,36 +104,66 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
         started = time.perf_counter()
         check_request(request, self.config)
-        loop = asyncio.get_running_loop()
-        prepared = await asyncio.gather(
-            *(loop.run_in_executor(self.preprocess_pool, self._prepare, item) for item in request.items)
-        )
-        preprocess_ms = (time.perf_counter() - started) * 1000
-        futures = self.batcher.submit(prepared)
+        self.batcher.check_room(len(request.items))
+        # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
+        # as its bytes are read; the stream still sends them in request order.
+        tasks = [asyncio.ensure_future(self._item_payload(item)) for item in request.items]
+        for task in tasks:
+            task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
+        num_tokens = hits = 0
         try:
-            for item, prep, future in zip(request.items, prepared, futures):
-                encoded: EncodedItem = await future
-                for message in self._item_messages(item.index, prep, encoded, preprocess_ms):
-                    yield message
+            for item, task in zip(request.items, tasks):
+                payload, cache_hit = await task
+                yield payload.header_message(item.index, cache_hit)
+                for chunk in payload.chunks:
+                    yield chunk
+                num_tokens += payload.header.num_tokens
+                hits += cache_hit
         finally:
-            for future in futures:
-                future.cancel()  # no-op for finished ones; frees queued work of a cancelled call
+            for task in tasks:
+                task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
         log.info(
-            "request %s: %d items, %d tokens, %.1f ms",
+            "request %s: %d items (%d cache hits), %d tokens, %.1f ms",
             request.request_id,
-            len(prepared),
-            sum(p.num_tokens for p in prepared),
+            len(tasks),
+            hits,
+            num_tokens,
             (time.perf_counter() - started) * 1000,
         )
 
-    def _prepare(self, item: pb.ImageItem) -> PreparedImage:
-        """Bytes to pixel values, on a preprocessing thread. Errors name the item."""
+    async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool]:
+        """An item's response and whether it came from the cache. Errors name the item."""
+        loop = asyncio.get_running_loop()
         try:
-            data = self._item_bytes(item)
-            image = decode_image(data, max_pixels=self.config.max_image_pixels)
-            return self.encoder.preprocess(image)
+            data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item)
+            if key is None:  # the cache is off
+                return await self._compute(data), False
+            return await self.cache.get_or_compute(key, functools.partial(self._compute, data))
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
+
+    def _read_item(self, item: pb.ImageItem) -> tuple[bytes, bytes | None]:
+        """The item's bytes and, with the cache on, its cache key; on a preprocessing thread."""
+        data = self._item_bytes(item)
+        if self.cache is None:
+            return data, None
+        # _item_bytes has checked a client's content_sha256 against the bytes: no need to hash them again.
+        return data, self.cache.key(item.content_sha256 or hashlib.sha256(data).digest())
+
+    async def _compute(self, data: bytes) -> ItemPayload:
+        """Decode, preprocess, forward (batched with other calls' items) and frame one item."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
+        preprocess_ms = (time.perf_counter() - started) * 1000
+        (future,) = self.batcher.submit([prepared])
+        encoded = await future
+        return ItemPayload.build(prepared, encoded, preprocess_ms)
+
+    def _prepare(self, data: bytes) -> PreparedImage:
+        """Bytes to pixel values, on a preprocessing thread."""
+        image = decode_image(data, max_pixels=self.config.max_image_pixels)
+        return self.encoder.preprocess(image)
 
     def _item_bytes(self, item: pb.ImageItem) -> bytes:
         source = item.WhichOneof("source")
@@ -147,23 +180,10 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             raise InvalidItemError("content_sha256 does not match the item's bytes")
         return data
 
-    def _item_messages(self, index: int, prep: PreparedImage, encoded: EncodedItem, preprocess_ms: float):
-        output = encoded.output
-        parts = [output.embedding] + ([output.deepstack] if output.deepstack is not None else [])
-        num_layers = 0 if output.deepstack is None else output.deepstack.shape[0]
-        header = pb.ItemHeader(
-            index=index,
-            num_tokens=prep.num_tokens,
-            grid_thw=prep.grid_thw,
-            hidden_size=output.embedding.shape[1],
-            dtype=wire.WIRE_DTYPES[output.embedding.dtype],
-            num_deepstack_layers=num_layers,
-            payload_bytes=sum(part.numel() * part.element_size() for part in parts),
-            timing=pb.Timing(queue_ms=encoded.queue_ms, preprocess_ms=preprocess_ms, forward_ms=encoded.forward_ms),
-        )
-        yield pb.EncodeResponse(header=header)
-        for part in parts:
-            yield from wire.chunk_messages(wire.tensor_bytes(part))
+
+def _retrieve_exception(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:

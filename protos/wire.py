@@ -8,7 +8,7 @@ protobuf parse. Every message stays valid protobuf: grpcurl and generated stubs 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -52,6 +52,11 @@ def chunk_messages(payload: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Itera
     for start in range(0, len(payload), chunk_bytes):
         part = payload[start : start + chunk_bytes]
         yield b"".join((bytes((_CHUNK_TAG,)), _varint(len(part)), part))
+
+
+def frame_parts(parts: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> tuple[bytes, ...]:
+    """An item's payload (its tensors, one after the other) as serialized chunk messages."""
+    return tuple(chunk for part in parts for chunk in chunk_messages(tensor_bytes(part), chunk_bytes))
 
 
 def serialize_response(message: pb.EncodeResponse | bytes) -> bytes:
