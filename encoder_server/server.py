@@ -37,6 +37,7 @@ class EncoderServer:
         self._server: grpc.aio.Server | None = None
         self._batcher: Batcher | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self.cache: EmbeddingCache | None = None
 
     @property
     def address(self) -> str:
@@ -65,8 +66,9 @@ class EncoderServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec)) if config.cache_bytes else None
-        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights, cache)
+        if config.cache_bytes:
+            self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec))
+        servicer = EncoderServicer(self.encoder, self._batcher, self._pool, config, random_weights, self.cache)
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
