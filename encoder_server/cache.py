@@ -3,7 +3,7 @@
 A key is a full sha256 over the image bytes' sha256 and a namespace that pins everything else the
 output depends on (weights, preprocessing settings, served dtype), so equal keys mean equal
 embeddings. A hit costs no decode, preprocessing or forward, and not even the framing copy: the
-chunks stored are the very bytes objects sent the first time.
+chunks kept are the very bytes objects sent the first time.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
 
 from protos import encoder_pb2 as pb
 from protos import wire
@@ -29,16 +31,31 @@ def cache_namespace(spec: ModelSpec) -> bytes:
     return hashlib.sha256(b"\0".join([KEY_VERSION, *(f.encode() for f in fields)])).digest()
 
 
-@dataclass(frozen=True)
 class ItemPayload:
-    """One item's response, computed once: its header (without the caller's index) and framed chunks."""
+    """One item's response, computed once: its header (without the caller's index) and its chunk messages.
 
-    header: pb.ItemHeader
-    chunks: tuple[bytes, ...]
-    nbytes: int = field(init=False)
+    The chunks are framed as the first caller streams them, so each copy overlaps the sending of the
+    chunk before it, and are kept: every later caller, and every cache hit, sends the same bytes objects.
+    Used from one event loop, where several callers may iterate `chunks()` at once.
+    """
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", sum(map(len, self.chunks)))
+    def __init__(self, header: pb.ItemHeader, parts: Sequence[torch.Tensor]):
+        self.header = header
+        self.nbytes = wire.framed_size([part.numel() * part.element_size() for part in parts])
+        self._framing: Iterator[bytes] | None = wire.frame_parts(parts)  # holds the tensors until done
+        self._chunks: list[bytes] = []
+
+    def chunks(self) -> Iterator[bytes]:
+        index = 0
+        while True:
+            if index == len(self._chunks):
+                chunk = None if self._framing is None else next(self._framing, None)
+                if chunk is None:
+                    self._framing = None  # all framed: the tensors can go
+                    return
+                self._chunks.append(chunk)
+            yield self._chunks[index]
+            index += 1
 
     @classmethod
     def build(cls, prepared: PreparedImage, encoded: EncodedItem, preprocess_ms: float) -> ItemPayload:
@@ -53,7 +70,7 @@ class ItemPayload:
             payload_bytes=sum(part.numel() * part.element_size() for part in parts),
             timing=pb.Timing(queue_ms=encoded.queue_ms, preprocess_ms=preprocess_ms, forward_ms=encoded.forward_ms),
         )
-        return cls(header, wire.frame_parts(parts))
+        return cls(header, parts)
 
     def header_message(self, index: int, cache_hit: bool) -> pb.EncodeResponse:
         """The ItemHeader message for one caller; a hit reports no timing, since no work was done for it."""

@@ -115,7 +115,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             for item, task in zip(request.items, tasks):
                 payload, cache_hit = await task
                 yield payload.header_message(item.index, cache_hit)
-                for chunk in payload.chunks:
+                for chunk in payload.chunks():
                     yield chunk
                 num_tokens += payload.header.num_tokens
                 hits += cache_hit

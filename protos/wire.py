@@ -54,9 +54,19 @@ def chunk_messages(payload: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Itera
         yield b"".join((bytes((_CHUNK_TAG,)), _varint(len(part)), part))
 
 
-def frame_parts(parts: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> tuple[bytes, ...]:
-    """An item's payload (its tensors, one after the other) as serialized chunk messages."""
-    return tuple(chunk for part in parts for chunk in chunk_messages(tensor_bytes(part), chunk_bytes))
+def frame_parts(parts: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """An item's payload (its tensors, one after the other) as chunk messages, framed one at a time."""
+    for part in parts:
+        yield from chunk_messages(tensor_bytes(part), chunk_bytes)
+
+
+def framed_size(part_sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES) -> int:
+    """How many bytes the chunk messages of `frame_parts` take, for parts of these sizes in bytes."""
+    total = 0
+    for size in part_sizes:
+        full, rest = divmod(size, chunk_bytes)
+        total += size + full * (1 + len(_varint(chunk_bytes))) + (1 + len(_varint(rest)) if rest else 0)
+    return total
 
 
 def serialize_response(message: pb.EncodeResponse | bytes) -> bytes:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -13,6 +16,39 @@ from protos import wire
 from protos.errors import EncoderError
 
 from .result import ItemResult
+
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def _huge_pages_on_request() -> bool:
+    """Whether this kernel backs memory with transparent huge pages when madvise asks for them."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        modes = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in modes
+
+
+_HUGE_PAGES = _huge_pages_on_request()
+
+
+def empty_payload(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor to receive an item's payload into, cheap to fill even when fresh.
+
+    A fresh buffer of a few MiB comes straight from mmap, and every 4 KiB page faults on first
+    write: filling a new 32 MiB tensor took 37 ms here, against 6 ms for a reused one. Backing large
+    buffers with transparent huge pages (madvise, this mapping only) brought it to 8 ms, without
+    touching the process's malloc settings. The tensor keeps its mapping alive.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE_BYTES or not _HUGE_PAGES:
+        return torch.empty(tuple(shape), dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buffer, dtype=dtype).view(tuple(shape))
 
 
 class StreamProtocolError(EncoderError):
@@ -35,7 +71,7 @@ class ItemBuffer:
             )
         self.header = header
         self.dtype = dtype
-        self.tensor = torch.empty((layers, header.num_tokens, header.hidden_size), dtype=dtype)
+        self.tensor = empty_payload((layers, header.num_tokens, header.hidden_size), dtype)
         self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
         self.filled = 0
 

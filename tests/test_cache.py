@@ -14,6 +14,7 @@ from encoder_server.cache import EmbeddingCache, ItemPayload, cache_namespace
 from encoder_server.cli import build_parser
 from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
+from protos import wire
 from receiver import EncoderReceiver
 from receiver.channels import EncoderEndpoint
 from tests.gated_encoder import GatedEncoder
@@ -24,7 +25,8 @@ NAMESPACE = hashlib.sha256(b"test-model").digest()
 
 
 def payload(size: int, tag: int = 0) -> ItemPayload:
-    return ItemPayload(pb.ItemHeader(num_tokens=tag), (bytes([tag]) * size,))
+    """A payload of one `size`-byte part; its chunk message adds 2 bytes of framing."""
+    return ItemPayload(pb.ItemHeader(num_tokens=tag), [torch.full((size,), tag, dtype=torch.uint8)])
 
 
 def key_of(n: int) -> bytes:
@@ -34,16 +36,29 @@ def key_of(n: int) -> bytes:
 def test_lru_stays_within_its_byte_budget_and_evicts_the_least_recently_used():
     cache = EmbeddingCache(100, NAMESPACE)
     for n in range(3):
-        cache.put(key_of(n), payload(40, n))  # the third put pushes it to 120 bytes: item 0 goes
-    assert cache.get(key_of(0)) is None and len(cache) == 2 and cache.bytes == 80
+        cache.put(key_of(n), payload(40, n))  # 42 bytes each: the third put would make 126, so item 0 goes
+    assert cache.get(key_of(0)) is None and len(cache) == 2 and cache.bytes == 84
     assert cache.get(key_of(1)).header.num_tokens == 1  # now the most recently used
     cache.put(key_of(3), payload(40, 3))
     assert cache.get(key_of(2)) is None and cache.get(key_of(1)) is not None
-    assert cache.bytes == 80 and cache.evictions == 2
-    cache.put(key_of(4), payload(101))  # larger than the whole cache: not stored, nothing evicted
+    assert cache.bytes == 84 and cache.evictions == 2
+    cache.put(key_of(4), payload(99))  # 101 bytes framed, more than the whole cache: not stored
     assert cache.get(key_of(4)) is None and len(cache) == 2
     cache.put(key_of(1), payload(10, 1))  # replacing an entry accounts for the old size
-    assert cache.bytes == 50
+    assert cache.bytes == 54
+
+
+def test_payload_chunks_are_framed_once_and_shared_by_callers_streaming_at_once():
+    parts = [torch.arange(3 * wire.CHUNK_BYTES // 4, dtype=torch.int32), torch.arange(7, dtype=torch.int32)]
+    item = ItemPayload(pb.ItemHeader(), parts)
+    first, second = item.chunks(), item.chunks()
+    interleaved = [next(first), next(second), next(second), next(first), *first, *second]
+    assert len(interleaved) == 8  # the 3 MiB part in 3 chunks, the 28-byte part in 1; twice
+    assert all(a is b for a, b in zip(interleaved[:4:2], interleaved[1:4:2]))
+    assert list(item.chunks()) == interleaved[:4:2] + interleaved[4:6]
+    assert sum(map(len, item.chunks())) == item.nbytes
+    payload_bytes = b"".join(bytes(wire.parse_response(chunk)) for chunk in item.chunks())
+    assert payload_bytes == b"".join(part.numpy().tobytes() for part in parts)
 
 
 def test_keys_change_with_weights_preprocessing_and_dtype_but_not_otherwise(default_model_dir):
