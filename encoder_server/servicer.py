@@ -27,6 +27,10 @@ from .models import ModelSpec, PreparedImage, VisionEncoder
 
 log = logging.getLogger(__name__)
 
+# Items up to this size are read and hashed on the event loop (sha256 of 64 KiB: ~50 us): cheaper
+# than the round trip to a preprocessing thread, which cost ~0.25 ms of CPU per call on a cache hit.
+INLINE_READ_BYTES = 64 << 10
+
 
 def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> pb.ModelInfo:
     return pb.ModelInfo(
@@ -135,7 +139,10 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         """An item's response and whether it came from the cache. Errors name the item."""
         loop = asyncio.get_running_loop()
         try:
-            data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item)
+            if item.WhichOneof("source") == "data" and len(item.data) <= INLINE_READ_BYTES:
+                data, key = self._read_item(item)
+            else:
+                data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item)
             if key is None:  # the cache is off
                 return await self._compute(data), False
             return await self.cache.get_or_compute(key, functools.partial(self._compute, data))

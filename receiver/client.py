@@ -86,7 +86,10 @@ class EncoderReceiver:
         encoder fails its share.
         """
         check_image_only(items)
-        sources = await asyncio.to_thread(self._read_sources, items)
+        if all(item.get("data") is not None for item in items):  # nothing to read: no thread round trip
+            sources = self._read_sources(items)
+        else:
+            sources = await asyncio.to_thread(self._read_sources, items)
         shards = plan_shards(len(sources), len(self._endpoints), self._rng, num_items_assigned)
         deadline = timeout if timeout is not None else self.timeout
         results: dict[int, ItemResult] = {}

@@ -38,6 +38,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from encoder_server.config import DEFAULT_CACHE_BYTES  # noqa: E402
 from protos import wire  # noqa: E402
 
 MiB = 1 << 20
@@ -862,7 +863,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--payload-bytes", type=int, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--chunk-bytes", type=int, default=wire.CHUNK_BYTES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--cache-bytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help=argparse.SUPPRESS)
     parser.add_argument("--no-tune-malloc", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
