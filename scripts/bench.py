@@ -20,6 +20,7 @@ import io
 import json
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -104,7 +105,7 @@ def profile_for(device: str, quick: bool) -> Profile:
     return Profile(
         device="cpu", dtype="float32", torch_threads=1, tower=TINY_TOWER if quick else real_tower(1),
         transport_sizes=(8 * MiB, 32 * MiB), transport_bytes=(32 if quick else 256) * MiB,
-        transport_cache_bytes=(64 if quick else 1024) * MiB, rounds=1 if quick else 5,
+        transport_cache_bytes=(64 if quick else 1024) * MiB, rounds=1 if quick else 7,
         serving_image=(112, 112), serving_images=4 if quick else 12, serving_clients=2,
         batching_clients=16, batching_requests=2 if quick else 12, batching_image=(56, 56),
         scale_requests=2 if quick else 8, scale_items=2, cache_repeats=2 if quick else 5,
@@ -346,27 +347,57 @@ class Progress:
         self.bar.close()
 
 
+async def interleaved(section: str, rounds: int, measures: dict[str, Callable[[], Awaitable[float]]]) -> dict[str, list[float]]:
+    """Runs every measure once per round, under a progress bar; returns each one's results.
+
+    The order changes from round to round (seeded), so no measure always follows the same
+    neighbour or always runs first after a change of payload size.
+    """
+    runs: dict[str, list[float]] = {name: [] for name in measures}
+    progress = Progress(section, rounds * len(measures))
+    try:
+        for round_index in range(rounds):
+            order = list(measures)
+            random.Random(round_index).shuffle(order)
+            for name in order:
+                runs[name].append(await measures[name]())
+                progress.step(name)
+    finally:
+        progress.close()
+    return runs
+
+
 async def timed(run: Callable[[], Awaitable[None]]) -> float:
     started = time.perf_counter()
     await run()
     return time.perf_counter() - started
 
 
-async def closed_loop(clients: int, requests: Sequence[Callable[[], Awaitable[int]]]) -> float:
+Call = Callable[[], Awaitable[int]]  # one request; returns how many items it carried
+
+
+async def closed_loop(clients: int, requests: Sequence[Call]) -> float:
     """Runs the requests with `clients` in flight at a time; returns items per second."""
     queue = list(reversed(requests))
-    items = 0
-
-    async def client() -> None:
-        nonlocal items
-        while queue:
-            items += await queue.pop()()
-
-    seconds = await timed(lambda: asyncio.gather(*(client() for _ in range(clients))))
-    return items / seconds
+    return await concurrent_clients([queue] * clients)
 
 
-def encode_call(receiver, request_id: str, images: Sequence[bytes]) -> Callable[[], Awaitable[int]]:
+async def concurrent_clients(per_client: Sequence[list[Call]]) -> float:
+    """Each client pops and runs requests from its list, one at a time, all clients at once.
+
+    Lists may be shared. Returns the items of all requests per second of wall time.
+    """
+    done: list[int] = []
+
+    async def client(requests: list[Call]) -> None:
+        while requests:
+            done.append(await requests.pop()())
+
+    seconds = await timed(lambda: asyncio.gather(*(client(requests) for requests in per_client)))
+    return sum(done) / seconds
+
+
+def encode_call(receiver, request_id: str, images: Sequence[bytes]) -> Call:
     async def call() -> int:
         result = await receiver.encode(request_id, [{"modality": "image", "data": d} for d in images])
         return len(result.items)
@@ -380,6 +411,15 @@ def median(values: Sequence[float]) -> float:
 
 def summary(values: Sequence[float]) -> dict:
     return {"median": median(values), "min": min(values), "max": max(values), "runs": list(values)}
+
+
+def rates(runs: dict[str, list[float]], ours: str, baseline: str) -> dict:
+    """Images/s of both sides and their paired ratio, keyed `<side>_images_per_s` and `ratio`."""
+    return {
+        f"{ours}_images_per_s": summary(runs[ours]),
+        f"{baseline}_images_per_s": summary(runs[baseline]),
+        "ratio": paired_ratio(runs[ours], runs[baseline]),
+    }
 
 
 def paired_ratio(ours: Sequence[float], baseline: Sequence[float]) -> float:
@@ -483,8 +523,10 @@ async def section_transport(ctx: Context) -> dict:
         "zmq": lambda size, n: asyncio.to_thread(zmq_pull, size, n),
         "memcpy": memcpy,
     }
-    runs: dict[int, dict[str, list[float]]] = {size: {m: [] for m in methods} for size in sizes}
-    progress = Progress("transport", p.rounds * len(sizes) * len(methods))
+    async def gbps(measure: Callable[[int, int], Awaitable[float]], size: int) -> float:
+        n = max(2, p.transport_bytes // size)
+        return n * size / await measure(size, n) / 1e9
+
     try:
         # Warm-up: connections, and the servers' caches filled once, so that every timed miss evicts
         # and reuses memory as a long-running server does instead of growing the heap.
@@ -494,26 +536,25 @@ async def section_transport(ctx: Context) -> dict:
         for size in sizes:
             for method in ("bare_grpc", "bare_grpc_torch_empty", "zmq"):
                 await methods[method](size, 1)
-        for _ in range(p.rounds):
-            for size in sizes:
-                n = max(2, p.transport_bytes // size)
-                for method, measure in methods.items():
-                    runs[size][method].append(n * size / await measure(size, n) / 1e9)
-                    progress.step(f"{size // MiB} MiB {method}")
+        measures = {
+            f"{size // MiB} MiB {method}": functools.partial(gbps, measure, size)
+            for size in sizes
+            for method, measure in methods.items()
+        }
+        runs = await interleaved("transport", p.rounds, measures)
     finally:
-        progress.close()
         for receiver in receivers.values():
             await receiver.close()
         await channel.close()
         zctx.destroy(linger=0)
     out = {}
     for size in sizes:
-        gbps = {m: median(runs[size][m]) for m in methods}
-        ratio = lambda a, b: paired_ratio(runs[size][a], runs[size][b])  # noqa: E731
+        by_method = {method: runs[f"{size // MiB} MiB {method}"] for method in methods}
+        ratio = lambda a, b: paired_ratio(by_method[a], by_method[b])  # noqa: E731
         out[f"{size // MiB}MiB"] = {
             "payload_bytes": size,
-            "gbps": gbps,
-            "runs_gbps": runs[size],
+            "gbps": {method: median(values) for method, values in by_method.items()},
+            "runs_gbps": by_method,
             "ours_vs_bare_grpc": ratio("ours_cached", "bare_grpc"),
             "ours_computed_vs_bare_grpc": ratio("ours_computed", "bare_grpc"),
             "ours_vs_zmq": ratio("ours_cached", "zmq"),
@@ -545,29 +586,28 @@ async def section_serving(ctx: Context) -> dict:
             (output,) = encoder.encode([encoder.preprocess(decode_image(data))])
         return len(images) / (time.perf_counter() - started)
 
-    server_runs, local_runs = [], []
-    progress = Progress("serving", 2 * p.rounds)
+    images: list[bytes] = []
+
+    async def server() -> float:
+        # Fresh images each round, the same ones on both sides: no run is helped by the cache.
+        images[:] = [image_png(width, height, seed) for seed in ctx.seeds.take(p.serving_images)]
+        calls = [encode_call(receiver, f"serving-{i}", [data]) for i, data in enumerate(images)]
+        return await closed_loop(p.serving_clients, calls)
+
     async with EncoderReceiver([ctx.servers["tower-a"].url]) as receiver:
         warm = [image_png(width, height, seed) for seed in ctx.seeds.take(2)]
         await asyncio.to_thread(in_process, warm[:1])
         await encode_call(receiver, "warm", warm[1:])()
-        for _ in range(p.rounds):
-            # Fresh images each round, the same ones on both sides: no run is helped by the cache.
-            images = [image_png(width, height, seed) for seed in ctx.seeds.take(p.serving_images)]
-            calls = [encode_call(receiver, f"serving-{i}", [data]) for i, data in enumerate(images)]
-            server_runs.append(await closed_loop(p.serving_clients, calls))
-            progress.step("server")
-            local_runs.append(await asyncio.to_thread(in_process, images))
-            progress.step("in-process")
-    progress.close()
+        runs = await interleaved(
+            "serving", p.rounds, {"server": server, "in_process": lambda: asyncio.to_thread(in_process, images)}
+        )
     return {
         "image": f"{width}x{height}",
         "tower": p.tower,
         "dtype": p.dtype,
         "torch_threads": p.torch_threads,
-        "server_images_per_s": summary(server_runs),
-        "in_process_images_per_s": summary(local_runs),
-        "ratio": paired_ratio(server_runs, local_runs),
+        "clients": p.serving_clients,
+        **rates(runs, "server", "in_process"),
     }
 
 
@@ -576,11 +616,10 @@ async def section_batching(ctx: Context) -> dict:
 
     p = ctx.profile
     width, height = p.batching_image
-    runs: dict[str, list[float]] = {"on": [], "off": []}
-    progress = Progress("batching", 2 * p.rounds)
+    modes = ("on", "off")
     receivers = {
         mode: [EncoderReceiver([ctx.servers[f"batching-{mode}"].url]) for _ in range(p.batching_clients)]
-        for mode in runs
+        for mode in modes
     }
 
     async def run(mode: str) -> float:
@@ -588,28 +627,20 @@ async def section_batching(ctx: Context) -> dict:
             images = [image_png(width, height, seed) for seed in ctx.seeds.take(p.batching_requests)]
             return [encode_call(receiver, f"batching-{client}-{i}", [d]) for i, d in enumerate(images)]
 
-        per_client = [client_calls(rx, c) for c, rx in enumerate(receivers[mode])]
-        # Each client sends its requests one after the other; all clients at once.
-        return sum(await asyncio.gather(*(closed_loop(1, calls) for calls in per_client)))
+        return await concurrent_clients([client_calls(rx, c) for c, rx in enumerate(receivers[mode])])
 
     try:
-        for mode in runs:
+        for mode in modes:
             await run(mode)  # warm-up: channels connected, first forwards done
-        for _ in range(p.rounds):
-            for mode in runs:
-                runs[mode].append(await run(mode))
-                progress.step(mode)
+        runs = await interleaved("batching", p.rounds, {mode: functools.partial(run, mode) for mode in modes})
     finally:
-        progress.close()
         for group in receivers.values():
             await asyncio.gather(*(rx.close() for rx in group))
     return {
         "clients": p.batching_clients,
         "image": f"{width}x{height}",
         "model": "built-in default (tiny Qwen2.5-VL tower)",
-        "on_images_per_s": summary(runs["on"]),
-        "off_images_per_s": summary(runs["off"]),
-        "ratio": paired_ratio(runs["on"], runs["off"]),
+        **rates(runs, "on", "off"),
     }
 
 
@@ -619,8 +650,6 @@ async def section_scale_out(ctx: Context) -> dict:
     p = ctx.profile
     width, height = p.serving_image
     urls = {"one": [ctx.servers["tower-a"].url], "two": [ctx.servers["tower-a"].url, ctx.servers["tower-b"].url]}
-    runs: dict[str, list[float]] = {"one": [], "two": []}
-    progress = Progress("scale_out", 2 * p.rounds)
     receivers = {k: EncoderReceiver(v, seed=0) for k, v in urls.items()}
     clients = 2
 
@@ -633,12 +662,10 @@ async def section_scale_out(ctx: Context) -> dict:
 
     try:
         await run("two", 1)  # warm-up of the second encoder
-        for _ in range(p.rounds):
-            for mode in runs:
-                runs[mode].append(await run(mode, p.scale_requests))
-                progress.step(mode)
+        runs = await interleaved(
+            "scale_out", p.rounds, {mode: functools.partial(run, mode, p.scale_requests) for mode in urls}
+        )
     finally:
-        progress.close()
         for rx in receivers.values():
             await rx.close()
     return {
@@ -646,9 +673,7 @@ async def section_scale_out(ctx: Context) -> dict:
         "items_per_request": p.scale_items,
         "requests_in_flight": clients,
         "torch_threads_per_process": p.torch_threads,
-        "two_images_per_s": summary(runs["two"]),
-        "one_images_per_s": summary(runs["one"]),
-        "ratio": paired_ratio(runs["two"], runs["one"]),
+        **rates(runs, "two", "one"),
     }
 
 
@@ -769,6 +794,13 @@ def goals(results: dict) -> list[dict]:
     return out
 
 
+RATE_ROWS = [  # section, figure, (key, label) of ours, (key, label) of the baseline
+    ("serving", "serving {image}", ("server", "server"), ("in_process", "in-process")),
+    ("batching", "batching {clients} clients {image}", ("on", "on"), ("off", "off")),
+    ("scale_out", "scale-out {image}", ("two", "2 processes"), ("one", "1 process")),
+]
+
+
 def table(results: dict) -> str:
     rows: list[tuple[str, str, str, str]] = []
     if "transport" in results:
@@ -785,18 +817,11 @@ def table(results: dict) -> str:
             rows.append((f"  receive buffer {size}", f"huge pages {g['bare_grpc']:.2f} GB/s",
                          f"torch.empty {g['bare_grpc_torch_empty']:.2f} GB/s",
                          f"{r['receiver_huge_pages_vs_torch_empty']:.2f}x"))  # fmt: skip
-    if "serving" in results:
-        r = results["serving"]
-        rows.append((f"serving {r['image']}", f"server {r['server_images_per_s']['median']:.2f} img/s",
-                     f"in-process {r['in_process_images_per_s']['median']:.2f} img/s", f"{r['ratio']:.2f}x"))  # fmt: skip
-    if "batching" in results:
-        r = results["batching"]
-        rows.append((f"batching {r['clients']} clients {r['image']}", f"on {r['on_images_per_s']['median']:.1f} img/s",
-                     f"off {r['off_images_per_s']['median']:.1f} img/s", f"{r['ratio']:.2f}x"))  # fmt: skip
-    if "scale_out" in results:
-        r = results["scale_out"]
-        rows.append((f"scale-out {r['image']}", f"2 processes {r['two_images_per_s']['median']:.2f} img/s",
-                     f"1 process {r['one_images_per_s']['median']:.2f} img/s", f"{r['ratio']:.2f}x"))  # fmt: skip
+    for section, figure, (ours, ours_label), (base, base_label) in RATE_ROWS:
+        if section in results:
+            r = results[section]
+            rows.append((figure.format(**r), f"{ours_label} {r[f'{ours}_images_per_s']['median']:.2f} img/s",
+                         f"{base_label} {r[f'{base}_images_per_s']['median']:.2f} img/s", f"{r['ratio']:.2f}x"))  # fmt: skip
     if "cache" in results:
         r = results["cache"]
         rows.append((f"cache {r['image']}", f"hit {r['hit_ms']['median']:.2f} ms",
@@ -810,7 +835,7 @@ def table(results: dict) -> str:
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     load = results["machine"]
-    lines.append(f"ratios: median over {results['profile']['rounds']} rounds of back-to-back pairs; load average "
+    lines.append(f"ratios: median over {results['profile']['rounds']} rounds of pairs measured in the same round; load average "
                  f"{load['load_average_before'][0]:.1f} before, {load['load_average_after'][0]:.1f} after")  # fmt: skip
     for g in results.get("goals", []):
         lines.append(f"goal {g['goal']} >= {g['target']}: {g['measured']:.2f} {'met' if g['met'] else 'NOT met'}")
