@@ -40,6 +40,7 @@ from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from encoder_server.config import DEFAULT_CACHE_BYTES  # noqa: E402
+from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder  # noqa: E402
 from protos import wire  # noqa: E402
 
 MiB = 1 << 20
@@ -142,33 +143,29 @@ def write_tower_checkpoint(out_dir: Path, vision_config: dict, device: str, seed
     return out_dir
 
 
-def make_pixel_token_encoder(hidden_size: int, max_tokens: int):
+class PixelTokenEncoder(VisionEncoder):
     """The transport's model double: one bf16 embedding row per image pixel, read from a fixed random table.
 
     It has a real model's contract and output sizes (an image of w x h pixels gives w*h rows), and
     no compute, so what the transport section times is the server, the wire and the receiver.
     """
-    from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 
-    class PixelTokenEncoder(VisionEncoder):
-        def __init__(self):
-            self.table = torch.randn(max_tokens, hidden_size).to(torch.bfloat16)
-            self.spec = ModelSpec(
-                family="pixel_token", model_type="pixel_token", hidden_size=hidden_size, dtype=torch.bfloat16,
-                device=torch.device("cpu"), patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                num_deepstack_layers=0, weights_fingerprint=hashlib.sha256(b"pixel_token").hexdigest(),
-                preprocess_fingerprint="none",
-            )  # fmt: skip
+    def __init__(self, hidden_size: int, max_tokens: int):
+        self.table = torch.randn(max_tokens, hidden_size).to(torch.bfloat16)
+        self.spec = ModelSpec(
+            family="pixel_token", model_type="pixel_token", hidden_size=hidden_size, dtype=torch.bfloat16,
+            device=torch.device("cpu"), patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            num_deepstack_layers=0, weights_fingerprint=hashlib.sha256(b"pixel_token").hexdigest(),
+            preprocess_fingerprint="none",
+        )  # fmt: skip
 
-        def preprocess(self, image: Image.Image) -> PreparedImage:
-            width, height = image.size
-            tokens = width * height
-            return PreparedImage(torch.empty(0), (1, 2 * height, 2 * width), tokens, 4 * tokens)
+    def preprocess(self, image: Image.Image) -> PreparedImage:
+        width, height = image.size
+        tokens = width * height
+        return PreparedImage(torch.empty(0), (1, 2 * height, 2 * width), tokens, 4 * tokens)
 
-        def encode(self, batch):
-            return [ImageEmbedding(self.table[: item.num_tokens]) for item in batch]
-
-    return PixelTokenEncoder()
+    def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
+        return [ImageEmbedding(self.table[: item.num_tokens]) for item in batch]
 
 
 def image_png(width: int, height: int, seed: int) -> bytes:
@@ -205,7 +202,7 @@ def role_pixel_tokens(args) -> None:
     if not args.no_tune_malloc:
         tune_malloc()
     max_tokens = max(args.payload_bytes) // (TRANSPORT_HIDDEN * 2)
-    encoder = make_pixel_token_encoder(TRANSPORT_HIDDEN, max_tokens)
+    encoder = PixelTokenEncoder(TRANSPORT_HIDDEN, max_tokens)
     config = ServerConfig(model=args.model_dir, host="127.0.0.1", port=0, device="cpu", dtype=torch.bfloat16,
                           cache_bytes=args.cache_bytes)  # fmt: skip
 
@@ -423,10 +420,10 @@ def rates(runs: dict[str, list[float]], ours: str, baseline: str) -> dict:
 
 
 def paired_ratio(ours: Sequence[float], baseline: Sequence[float]) -> float:
-    """Median over rounds of ours / baseline, each pair measured back to back.
+    """Median over rounds of ours / baseline, the two of each pair measured in the same round.
 
-    On a shared machine the load drifts between rounds; a ratio taken within a round cancels most
-    of that, where a ratio of two medians would not.
+    On a shared machine the load drifts from round to round; a ratio taken within a round cancels
+    most of that, where a ratio of two medians would not.
     """
     return median([a / b for a, b in zip(ours, baseline)])
 
