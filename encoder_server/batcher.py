@@ -2,12 +2,14 @@
 
 The worker takes whatever is waiting (up to a number of images and of patches per batch, after an
 optional short wait for more), runs one forward for all of it and resolves each item's future on
-its caller's event loop. Items whose caller went away are dropped before they cost a forward.
+its caller's event loop. An item whose future is cancelled (its caller went away or its deadline
+passed) leaves the queue at once and never costs a forward.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -30,6 +32,13 @@ class BatchingConfig:
     max_queue_items: int = 256
     max_queue_patches: int = 1 << 20
 
+    def __post_init__(self) -> None:
+        for name in ("max_batch_images", "max_batch_patches", "max_queue_items", "max_queue_patches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BatchingConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"BatchingConfig.max_wait_ms must not be negative, got {self.max_wait_ms}")
+
 
 @dataclass(frozen=True)
 class EncodedItem:
@@ -41,7 +50,7 @@ class EncodedItem:
     batch_size: int
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the queue removes exactly this entry
 class _Pending:
     prepared: PreparedImage
     future: asyncio.Future
@@ -79,27 +88,61 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def queued_patches(self) -> int:
+        return self._queued_patches
+
+    def check_room(self, num_items: int) -> None:
+        """Refuses a call at once when its items cannot fit the queue, before any of them is decoded."""
+        with self._cond:
+            self._check_open()
+            if len(self._queue) + num_items > self.config.max_queue_items:
+                raise self._overloaded()
+
     def submit(self, items: Sequence[PreparedImage]) -> list[asyncio.Future]:
-        """Queues a call's items together, or refuses them all with OverloadedError."""
+        """Queues a call's items together, or refuses them all with OverloadedError.
+
+        Cancelling a returned future takes its item out of the queue.
+        """
         loop = asyncio.get_running_loop()
         patches = sum(item.num_patches for item in items)
         now = time.perf_counter()
         with self._cond:
-            if not self.alive:
-                raise UnavailableError("the encoder's forward worker is not running")
+            self._check_open()
             cfg = self.config
+            # An empty queue takes any call, so a single item over the patch limit is still served.
             if len(self._queue) + len(items) > cfg.max_queue_items or (
                 self._queue and self._queued_patches + patches > cfg.max_queue_patches
             ):
-                raise OverloadedError(
-                    f"encoder queue is full ({len(self._queue)} items, {self._queued_patches} patches "
-                    f"waiting; limits {cfg.max_queue_items} items, {cfg.max_queue_patches} patches)"
-                )
+                raise self._overloaded()
             pending = [_Pending(item, loop.create_future(), now) for item in items]
             self._queue.extend(pending)
             self._queued_patches += patches
             self._cond.notify()
+        for p in pending:
+            p.future.add_done_callback(functools.partial(self._withdraw_if_cancelled, p))
         return [p.future for p in pending]
+
+    def _check_open(self) -> None:
+        if not self.alive or self._stopping:
+            raise UnavailableError("the encoder's forward worker is not running")
+
+    def _overloaded(self) -> OverloadedError:
+        cfg = self.config
+        return OverloadedError(
+            f"encoder queue is full ({len(self._queue)} items, {self._queued_patches} patches waiting; "
+            f"limits {cfg.max_queue_items} items, {cfg.max_queue_patches} patches): retry later or elsewhere"
+        )
+
+    def _withdraw_if_cancelled(self, pending: _Pending, future: asyncio.Future) -> None:
+        if not future.cancelled():
+            return
+        with self._cond:
+            try:
+                self._queue.remove(pending)
+            except ValueError:  # already taken by the worker
+                return
+            self._queued_patches -= pending.prepared.num_patches
 
     def _take_batch(self) -> list[_Pending]:
         cfg = self.config
@@ -118,7 +161,7 @@ class Batcher:
                         break
                     self._queue.popleft()
                     self._queued_patches -= head.prepared.num_patches
-                    if head.future.done():  # the caller cancelled or its deadline passed
+                    if head.future.done():  # cancelled after its withdrawal was scheduled
                         continue
                     batch.append(head)
                     patches += head.prepared.num_patches
@@ -143,7 +186,6 @@ class Batcher:
             log.exception("forward worker died")
             raise
         finally:
-            self.alive = False
             self._fail_queued()
 
     def _forward(self, batch: list[_Pending]) -> None:
@@ -181,6 +223,7 @@ class Batcher:
 
     def _fail_queued(self) -> None:
         with self._cond:
+            self.alive = False  # under the lock: no submit can slip in after the queue is emptied
             pending, self._queue = list(self._queue), deque()
             self._queued_patches = 0
         for p in pending:
@@ -196,4 +239,7 @@ def _resolve(future: asyncio.Future, *, result=None, exception: BaseException | 
         else:
             future.set_result(result)
 
-    future.get_loop().call_soon_threadsafe(apply)
+    try:
+        future.get_loop().call_soon_threadsafe(apply)
+    except RuntimeError:  # the caller's loop is closed: nobody is left to tell
+        pass

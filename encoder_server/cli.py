@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca-file", default=None, help="PEM CA: require client certificates it signed (mTLS)")
     p.add_argument("--auth-token-file", default=None, help="file of bearer tokens, one per line: calls must carry one")
     p.add_argument("--auth-protect-health", action="store_true", help="require the token on health probes too")
+    p.add_argument("--cache-bytes", type=int, default=1 << 30, help="embedding cache size in bytes (0: no cache)")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time for running calls on SIGTERM")
     p.add_argument(
         "--metrics-port", type=port_or_off, default="off", help="HTTP port of Prometheus /metrics ('off': none, 0: any free port)"
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         max_items_per_request=int(args.max_items_per_request),
         max_request_bytes=int(args.max_request_bytes),
         max_image_pixels=int(args.max_image_pixels),
+        cache_bytes=int(args.cache_bytes),
         grace_seconds=float(args.grace_seconds),
         metrics_port=args.metrics_port,
         warmup=not args.no_warmup,

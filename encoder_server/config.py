@@ -13,6 +13,8 @@ from .tls import TlsConfig
 from .images import DEFAULT_MAX_IMAGE_PIXELS
 from .shm import ShmConfig
 
+DEFAULT_CACHE_BYTES = 1 << 30
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
@@ -26,6 +28,7 @@ class ServerConfig:
     max_items_per_request: int = 64
     max_request_bytes: int = 256 << 20
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    cache_bytes: int = DEFAULT_CACHE_BYTES  # embedding cache size; 0 turns the cache off
     grace_seconds: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: not served
     warmup: bool = True

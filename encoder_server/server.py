@@ -18,6 +18,7 @@ from protos import encoder_pb2 as pb
 
 from .auth import BearerTokenInterceptor, read_token_file
 from .batcher import Batcher
+from .cache import EmbeddingCache, cache_namespace
 from .config import ServerConfig
 from .default_model import has_random_weights
 from .interceptors import DrainGate
@@ -50,6 +51,7 @@ class EncoderServer:
         self._pool: ThreadPoolExecutor | None = None
         self._stopping = False
         self.shm: ShmSegments | None = None
+        self.cache: EmbeddingCache | None = None
 
     @property
     def address(self) -> str:
@@ -96,8 +98,18 @@ class EncoderServer:
         if config.shm is not None:
             self.shm = ShmSegments(config.shm)
             await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
+        if config.cache_bytes:
+            self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec))
+            self.metrics.watch_cache(self.cache.stats)
         servicer = EncoderServicer(
-            self.encoder, self._batcher, self._pool, config, random_weights, metrics=self.metrics, shm=self.shm
+            self.encoder,
+            self._batcher,
+            self._pool,
+            config,
+            random_weights,
+            metrics=self.metrics,
+            shm=self.shm,
+            cache=self.cache,
         )
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

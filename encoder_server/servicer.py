@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,18 +17,23 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from protos.errors import EncoderError, InvalidItemError, OverloadedError, UnsupportedModalityError, status_for
+from protos.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
 
 from . import __version__
-from .batcher import Batcher, EncodedItem
+from .batcher import Batcher
+from .cache import EmbeddingCache, ItemPayload
 from .config import ServerConfig
 from .images import decode_image
 from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
-from .sources import item_bytes
 from .shm import ShmCall, ShmSegments
+from .sources import item_bytes
 
 log = logging.getLogger(__name__)
+
+# Items up to this size are read and hashed on the event loop (sha256 of 64 KiB: ~50 us): cheaper
+# than the round trip to a preprocessing thread, which cost ~0.25 ms of CPU per call on a cache hit.
+INLINE_READ_BYTES = 64 << 10
 
 
 def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> pb.ModelInfo:
@@ -115,17 +121,20 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         preprocess_pool: Executor,
         config: ServerConfig,
         random_weights: bool,
+        *,
         metrics: ServerMetrics | None = None,
         shm: ShmSegments | None = None,
+        cache: EmbeddingCache | None = None,
     ):
         self.encoder = encoder
         self.batcher = batcher
         self.preprocess_pool = preprocess_pool
         self.config = config
         self.shm = shm
+        self.cache = cache
         self.info = model_info(encoder.spec, config, random_weights)
         self.metrics = metrics or ServerMetrics()
-        self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue
+        self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.info
@@ -133,76 +142,95 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     @_maps_errors
     @recorded
     async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
-        started = time.perf_counter()
         check_request(request, self.config)
-        self._admit(len(request.items))
-        loop = asyncio.get_running_loop()
+        # Refused at once, before any decoding, when the call's items would not fit beside those
+        # queued and those still being read or preprocessed: under overload refusals stay fast.
+        self.batcher.check_room(len(request.items) + self._preprocessing)
         self._preprocessing += len(request.items)
-        try:
-            prepared = await asyncio.gather(
-                *(loop.run_in_executor(self.preprocess_pool, self._prepare, item) for item in request.items)
-            )
-        finally:
-            self._preprocessing -= len(request.items)
-        preprocess_ms = (time.perf_counter() - started) * 1000
-        futures = self.batcher.submit(prepared)
+        # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
+        # as its bytes are read; the stream still sends them in request order.
+        tasks = [asyncio.ensure_future(self._item_payload(item)) for item in request.items]
+        for task in tasks:
+            task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         shm = ShmCall(self.shm, request)
         try:
-            for item, prep, future in zip(request.items, prepared, futures):
-                encoded: EncodedItem = await future
-                for message in self._item_messages(item.index, prep, encoded, preprocess_ms, shm):
-                    yield message
+            for item, task in zip(request.items, tasks):
+                payload, cache_hit = await task
+                message = payload.header_message(item.index, cache_hit)
+                placed = shm.place(message.header, payload.payload_views())  # same host: no chunks follow
+                yield message
+                if not placed:
+                    for chunk in payload.chunks():
+                        yield chunk
             shm.hand_over()
         finally:
-            for future in futures:
-                future.cancel()  # no-op for finished ones; frees queued work of a cancelled call
+            for task in tasks:
+                task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
             shm.close()  # takes back the segments of a call cancelled, failed or out of time
 
-    def _admit(self, count: int) -> None:
-        """Refuses a call before preprocessing when its items would not fit beside the queued and the
-        preprocessing ones: under overload, refusals come at once instead of after decoding."""
-        limit = self.batcher.config.max_queue_items
-        waiting = self.batcher.queue_depth + self._preprocessing
-        if waiting + count > limit:
-            raise OverloadedError(
-                f"encoder queue is full ({waiting} items queued or preprocessing, {count} more asked; limit {limit})"
-            )
-
-    def _prepare(self, item: pb.ImageItem) -> PreparedImage:
-        """Bytes to pixel values, on a preprocessing thread. Errors name the item."""
+    async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool]:
+        """An item's response and whether it came from the cache. Errors name the item."""
+        loop = asyncio.get_running_loop()
+        admitted = _Admission(self)
         try:
-            data = item_bytes(item, self.config.sources)
-            image = decode_image(
-                data, max_pixels=self.config.max_image_pixels, max_aspect_ratio=self.config.max_aspect_ratio
-            )
-            try:
-                return self.encoder.preprocess(image)
-            except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
-                raise InvalidItemError(f"the image processor refused it: {exc}") from None
+            if item.WhichOneof("source") == "data" and len(item.data) <= INLINE_READ_BYTES:
+                data, key = self._read_item(item)
+            else:
+                data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item)
+            if key is None:  # the cache is off
+                return await self._compute(data, admitted), False
+            return await self.cache.get_or_compute(key, functools.partial(self._compute, data, admitted))
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
+        finally:
+            admitted.done()
 
-    def _item_messages(
-        self, index: int, prep: PreparedImage, encoded: EncodedItem, preprocess_ms: float, shm: ShmCall | None = None
-    ):
-        output = encoded.output
-        parts = [output.embedding] + ([output.deepstack] if output.deepstack is not None else [])
-        num_layers = 0 if output.deepstack is None else output.deepstack.shape[0]
-        header = pb.ItemHeader(
-            index=index,
-            num_tokens=prep.num_tokens,
-            grid_thw=prep.grid_thw,
-            hidden_size=output.embedding.shape[1],
-            dtype=wire.WIRE_DTYPES[output.embedding.dtype],
-            num_deepstack_layers=num_layers,
-            payload_bytes=sum(part.numel() * part.element_size() for part in parts),
-            timing=pb.Timing(queue_ms=encoded.queue_ms, preprocess_ms=preprocess_ms, forward_ms=encoded.forward_ms),
-        )
-        placed = shm is not None and shm.place(header, parts)  # same-host fast path: no chunks follow
-        yield pb.EncodeResponse(header=header)
-        if not placed:
-            for part in parts:
-                yield from wire.chunk_messages(wire.tensor_bytes(part))
+    def _read_item(self, item: pb.ImageItem) -> tuple[bytes, bytes | None]:
+        """The item's bytes and, with the cache on, its cache key; on a preprocessing thread."""
+        data = item_bytes(item, self.config.sources)
+        if self.cache is None:
+            return data, None
+        # item_bytes has checked a client's content_sha256 against the bytes: no need to hash them again.
+        return data, self.cache.key(item.content_sha256 or hashlib.sha256(data).digest())
+
+    async def _compute(self, data: bytes, admitted: _Admission) -> ItemPayload:
+        """Decode, preprocess, forward (batched with other calls' items) and frame one item."""
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
+        preprocess_ms = (time.perf_counter() - started) * 1000
+        (future,) = self.batcher.submit([prepared])
+        admitted.done()  # it counts in the batcher's queue now
+        encoded = await future
+        return ItemPayload.build(prepared, encoded, preprocess_ms)
+
+    def _prepare(self, data: bytes) -> PreparedImage:
+        """Bytes to pixel values, on a preprocessing thread."""
+        image = decode_image(data, max_pixels=self.config.max_image_pixels, max_aspect_ratio=self.config.max_aspect_ratio)
+        try:
+            return self.encoder.preprocess(image)
+        except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
+            raise InvalidItemError(f"the image processor refused it: {exc}") from None
+
+
+class _Admission:
+    """One admitted item's place in the servicer's count of items not yet queued; given back once."""
+
+    __slots__ = ("servicer", "pending")
+
+    def __init__(self, servicer: EncoderServicer):
+        self.servicer = servicer
+        self.pending = True
+
+    def done(self) -> None:
+        if self.pending:
+            self.pending = False
+            self.servicer._preprocessing -= 1
+
+
+def _retrieve_exception(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:

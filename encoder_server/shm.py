@@ -23,10 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from protos import encoder_pb2 as pb
-from protos import wire
 from protos.shm import (
     HEADER_BYTES,
     SERVER_KIND,
@@ -101,12 +99,12 @@ class _Segment:
     def released(self) -> bool:
         return os.fstat(self.fd).st_nlink < 2
 
-    def write(self, header: bytes, parts: Sequence[torch.Tensor]) -> None:
+    def write(self, header: bytes, parts: Sequence[memoryview]) -> None:
         """Header last, and zeroed first: a receiver still reading an old use sees the change."""
         self._map[:HEADER_BYTES] = bytes(HEADER_BYTES)
         offset = HEADER_BYTES
         for part in parts:
-            flat = np.frombuffer(wire.tensor_bytes(part), dtype=np.uint8)
+            flat = np.frombuffer(part, dtype=np.uint8)
             np.copyto(self.bytes[offset : offset + len(flat)], flat)  # one memcpy, into pages already there
             offset += len(flat)
         self._map[:HEADER_BYTES] = header
@@ -190,7 +188,7 @@ class ShmSegments:
             os.close(fd)
 
     def place(
-        self, header: pb.ItemHeader, parts: Sequence[torch.Tensor], token: bytes, owner: int, request_id: str
+        self, header: pb.ItemHeader, parts: Sequence[memoryview], token: bytes, owner: int, request_id: str
     ) -> _Segment | None:
         """Writes the payload into a segment of `owner`'s and fills `header.shm`; None: it goes as chunks."""
         if header.payload_bytes < self.config.min_bytes:
@@ -333,8 +331,9 @@ class ShmCall:
         self._placed: list[tuple[_Segment, Path]] = []
         self._handed_over = False
 
-    def place(self, header: pb.ItemHeader, parts: Sequence[torch.Tensor]) -> bool:
-        """Puts the item's payload in shared memory when it can; False: send it as chunks."""
+    def place(self, header: pb.ItemHeader, parts: Sequence[memoryview]) -> bool:
+        """Puts the item's payload (its bytes, part after part) in shared memory when it can; False:
+        send it as chunks."""
         if not self.offered:
             return False
         if self._segments is None:

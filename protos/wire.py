@@ -8,7 +8,7 @@ protobuf parse. Every message stays valid protobuf: grpcurl and generated stubs 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -52,6 +52,21 @@ def chunk_messages(payload: memoryview, chunk_bytes: int = CHUNK_BYTES) -> Itera
     for start in range(0, len(payload), chunk_bytes):
         part = payload[start : start + chunk_bytes]
         yield b"".join((bytes((_CHUNK_TAG,)), _varint(len(part)), part))
+
+
+def frame_parts(parts: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """An item's payload (its tensors, one after the other) as chunk messages, framed one at a time."""
+    for part in parts:
+        yield from chunk_messages(tensor_bytes(part), chunk_bytes)
+
+
+def framed_size(part_sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES) -> int:
+    """How many bytes the chunk messages of `frame_parts` take, for parts of these sizes in bytes."""
+    total = 0
+    for size in part_sizes:
+        full, rest = divmod(size, chunk_bytes)
+        total += size + full * (1 + len(_varint(chunk_bytes))) + (1 + len(_varint(rest)) if rest else 0)
+    return total
 
 
 def serialize_response(message: pb.EncodeResponse | bytes) -> bytes:

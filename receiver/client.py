@@ -180,7 +180,10 @@ class EncoderReceiver:
         try:
             results = await self._precomputed_results(items)
             raw = [index for index in range(len(items)) if index not in results]
-            sources = await asyncio.to_thread(self._read_sources, items, raw)
+            if all(items[index].get("data") is not None for index in raw):  # nothing to read: no thread hop
+                sources = self._read_sources(items, raw)
+            else:
+                sources = await asyncio.to_thread(self._read_sources, items, raw)
             budget = timeout if timeout is not None else self.timeout
             await self._encode_sources(request_id, sources, num_items_assigned, time.monotonic() + budget, results)
         finally:

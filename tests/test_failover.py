@@ -370,7 +370,7 @@ async def test_server_drops_the_work_of_a_call_whose_deadline_passed(default_mod
             assert time.perf_counter() - started < 3.0
             encoder.gate.set()
             assert (await holding).items[0].num_tokens == 4
-            after = await rx.encode("after", [{"data": image_bytes(56, 56)}])
+            after = await rx.encode("after", [{"data": image_bytes(56, 56, seed=99)}])
             assert after.items[0].num_tokens == 4
         # Forwards ran for the holding call and the one after, never for the expired call's 3 items.
         assert encoder.images_forwarded - warm == 2

@@ -444,7 +444,7 @@ async def test_errors_of_a_receiver_name_item_and_reason_and_are_not_retried(ser
             await rx.encode("bad", [{"data": image_bytes(8, 8)}, {"data": b"GIF89a-not-really"}], num_items_assigned=[2, 0])
         assert rx.healthy_urls() == urls
     error = raised.value
-    # The server refuses the call before streaming anything, so item 0 is not encoded either.
-    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and error.item_indices == [0, 1]
+    # Items stream in order: item 0 arrives whole, then item 1 fails the call.
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and error.item_indices == [1]
     assert [a.status for a in error.attempts[1]] == ["INVALID_ARGUMENT"]
     assert "item 1: bytes are not an image file" in str(error)

@@ -19,6 +19,7 @@ import encoder_server.shm
 from encoder_server.batcher import BatchingConfig
 from encoder_server.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
+from protos import wire
 from protos.shm import (
     SERVER_KIND,
     SHM_DIR,
@@ -526,7 +527,7 @@ async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers
             header = pb.ItemHeader(
                 index=0, num_tokens=1, hidden_size=1024, dtype=pb.FLOAT32, payload_bytes=4096
             )
-            assert segments.place(header, [payload], b"t" * 32, owner, "req") is not None
+            assert segments.place(header, [wire.tensor_bytes(payload)], b"t" * 32, owner, "req") is not None
             st = os.stat(tmp_path / header.shm.segment)
             (tmp_path / header.shm.segment).unlink()  # released, as a receiver does
             return st.st_ino, st.st_uid

@@ -1,0 +1,191 @@
+"""The embedding cache: an LRU of framed item responses bounded in bytes, keyed by content, single-flight.
+
+A key is a full sha256 over the image bytes' sha256 and a namespace that pins everything else the
+output depends on (weights, preprocessing settings, served dtype), so equal keys mean equal
+embeddings. A hit costs no decode, preprocessing or forward, and not even the framing copy: the
+chunks kept are the very bytes objects sent the first time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protos import encoder_pb2 as pb
+from protos import wire
+
+from .batcher import EncodedItem
+from .metrics import CacheStats
+from .models import ModelSpec, PreparedImage
+
+KEY_VERSION = b"encoder-cache-v1"
+
+
+def cache_namespace(spec: ModelSpec) -> bytes:
+    """The part of every key that pins the model: its weights, preprocessing and served dtype."""
+    fields = (spec.model_type, spec.weights_fingerprint, spec.preprocess_fingerprint, str(spec.dtype))
+    return hashlib.sha256(b"\0".join([KEY_VERSION, *(f.encode() for f in fields)])).digest()
+
+
+class ItemPayload:
+    """One item's response, computed once: its header (without the caller's index) and its chunk messages.
+
+    The chunks are framed as the first caller streams them, so each copy overlaps the sending of the
+    chunk before it, and are kept: every later caller, and every cache hit, sends the same bytes objects.
+    Used from one event loop, where several callers may iterate `chunks()` at once.
+    """
+
+    def __init__(self, header: pb.ItemHeader, parts: Sequence[torch.Tensor]):
+        self.header = header
+        self.nbytes = wire.framed_size([part.numel() * part.element_size() for part in parts])
+        self._parts: list[torch.Tensor] | None = list(parts)  # held until every chunk is framed
+        self._framing: Iterator[bytes] | None = wire.frame_parts(self._parts)
+        self._chunks: list[bytes] = []
+
+    def payload_views(self) -> list[memoryview]:
+        """The payload's bytes without copies: the tensors while held, else the kept chunks' data."""
+        if self._parts is not None:
+            return [wire.tensor_bytes(part) for part in self._parts]
+        return [wire.parse_response(chunk) for chunk in self._chunks]
+
+    def chunks(self) -> Iterator[bytes]:
+        index = 0
+        while True:
+            if index == len(self._chunks):
+                chunk = None if self._framing is None else next(self._framing, None)
+                if chunk is None:
+                    self._framing = self._parts = None  # all framed: the tensors can go
+                    return
+                self._chunks.append(chunk)
+            yield self._chunks[index]
+            index += 1
+
+    @classmethod
+    def build(cls, prepared: PreparedImage, encoded: EncodedItem, preprocess_ms: float) -> ItemPayload:
+        output = encoded.output
+        parts = [output.embedding] + ([output.deepstack] if output.deepstack is not None else [])
+        header = pb.ItemHeader(
+            num_tokens=prepared.num_tokens,
+            grid_thw=prepared.grid_thw,
+            hidden_size=output.embedding.shape[1],
+            dtype=wire.WIRE_DTYPES[output.embedding.dtype],
+            num_deepstack_layers=0 if output.deepstack is None else output.deepstack.shape[0],
+            payload_bytes=sum(part.numel() * part.element_size() for part in parts),
+            timing=pb.Timing(queue_ms=encoded.queue_ms, preprocess_ms=preprocess_ms, forward_ms=encoded.forward_ms),
+        )
+        return cls(header, parts)
+
+    def header_message(self, index: int, cache_hit: bool) -> pb.EncodeResponse:
+        """The ItemHeader message for one caller; a hit reports no timing, since no work was done for it."""
+        header = pb.ItemHeader()
+        header.CopyFrom(self.header)
+        header.index = index
+        if cache_hit:
+            header.cache_hit = True
+            header.ClearField("timing")
+        return pb.EncodeResponse(header=header)
+
+
+@dataclass(eq=False)
+class _Flight:
+    task: asyncio.Task
+    callers: int = 0
+
+
+class EmbeddingCache:
+    """LRU of ItemPayloads, at most `max_bytes` of chunks, with one computation per key in flight.
+
+    Used from the server's event loop only (`key` is pure and may run anywhere). A caller that finds
+    its key being computed by another call waits for that result instead of computing it again; the
+    computation is cancelled only when every caller waiting for it has gone.
+    """
+
+    def __init__(self, max_bytes: int, namespace: bytes):
+        if max_bytes < 1:
+            raise ValueError(f"cache size must be positive, got {max_bytes} bytes")
+        self.max_bytes = max_bytes
+        self.namespace = namespace
+        self._entries: OrderedDict[bytes, ItemPayload] = OrderedDict()
+        self._flights: dict[bytes, _Flight] = {}
+        self.bytes = 0
+        self.hits = 0  # served from the LRU, or from another call's computation
+        self.misses = 0  # computations started
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> CacheStats:
+        """What the metrics endpoint reports, read at each scrape."""
+        return CacheStats(hits=self.hits, misses=self.misses, bytes_held=self.bytes, entries=len(self._entries))
+
+    def key(self, content_sha256: bytes) -> bytes:
+        """The cache key of an image whose bytes hash to `content_sha256`."""
+        if len(content_sha256) != 32:
+            raise ValueError(f"a sha256 digest has 32 bytes, got {len(content_sha256)}")
+        return hashlib.sha256(self.namespace + content_sha256).digest()
+
+    def get(self, key: bytes) -> ItemPayload | None:
+        payload = self._entries.get(key)
+        if payload is not None:
+            self._entries.move_to_end(key)
+        return payload
+
+    def put(self, key: bytes, payload: ItemPayload) -> None:
+        """Stores a payload, evicting the least recently used; one larger than the whole cache is skipped."""
+        if payload.nbytes > self.max_bytes:
+            return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+        self._entries[key] = payload
+        self.bytes += payload.nbytes
+        while self.bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= evicted.nbytes
+            self.evictions += 1
+
+    async def get_or_compute(
+        self, key: bytes, compute: Callable[[], Awaitable[ItemPayload]]
+    ) -> tuple[ItemPayload, bool]:
+        """The payload for `key` and whether it was a hit; runs `compute` only if no one else is.
+
+        Errors of a computation reach every caller waiting for it and are not cached.
+        """
+        payload = self.get(key)
+        if payload is not None:
+            self.hits += 1
+            return payload, True
+        flight = self._flights.get(key)
+        joined = flight is not None
+        if flight is None:
+            flight = _Flight(asyncio.ensure_future(compute()))
+            flight.task.add_done_callback(lambda task: self._landed(key, flight, task))
+            self._flights[key] = flight
+            self.misses += 1
+        else:
+            self.hits += 1
+        flight.callers += 1
+        try:
+            return await asyncio.shield(flight.task), joined
+        finally:
+            flight.callers -= 1
+            if flight.callers == 0 and not flight.task.done():
+                # Nobody wants it any more: drop it (its item leaves the batcher's queue), and let the
+                # next caller for this key start afresh rather than join a cancelled computation.
+                flight.task.cancel()
+                self._forget(key, flight)
+
+    def _landed(self, key: bytes, flight: _Flight, task: asyncio.Task) -> None:
+        self._forget(key, flight)
+        if not task.cancelled() and task.exception() is None:
+            self.put(key, task.result())
+
+    def _forget(self, key: bytes, flight: _Flight) -> None:
+        if self._flights.get(key) is flight:
+            del self._flights[key]

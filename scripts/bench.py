@@ -1,0 +1,934 @@
+"""Throughput benchmark of the encode path; every figure stands beside a baseline measured in the same run.
+
+Sections: transport (ours vs bare grpcio, pyzmq and memcpy), serving overhead (a server vs the same
+model in-process), batching (on vs off, 16 clients), scale-out (2 encoder processes vs 1), cache (hit
+vs miss) and images/s by image size. Prints a table, writes JSON (--json). `--quick` is the short CI
+run; `--device cuda` runs the real-size Qwen2.5-VL tower (random weights) on a GPU.
+
+    python scripts/bench.py --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # this checkout's packages, not an installed copy
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from encoder_server.config import DEFAULT_CACHE_BYTES  # noqa: E402
+from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder  # noqa: E402
+from protos import wire  # noqa: E402
+
+MiB = 1 << 20
+SECTIONS = ("transport", "serving", "batching", "scale_out", "cache", "image_sizes")
+TRANSPORT_HIDDEN = 2048  # embedding width of the transport model double (bf16: 4 KiB per token)
+BARE_METHOD = "/bench.Bare/Stream"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """How big each section runs: per device, and short for --quick."""
+
+    device: str
+    dtype: str
+    torch_threads: int
+    tower: dict  # Qwen2.5-VL vision_config of the compute-bound tower
+    transport_sizes: tuple[int, ...]
+    transport_bytes: int  # moved per transport measurement
+    transport_cache_bytes: int  # the transport server's cache, filled before timing so misses run in steady state
+    rounds: int  # measurements per figure, interleaved with its baseline; the median is reported
+    serving_image: tuple[int, int]
+    serving_images: int
+    serving_clients: int
+    batching_clients: int
+    batching_requests: int  # per client
+    batching_image: tuple[int, int]
+    scale_requests: int
+    scale_items: int  # images per request, sharded across the encoders
+    cache_repeats: int
+    image_sizes: tuple[tuple[int, int], ...]
+    image_size_images: int
+    preprocess_workers: int
+
+
+def real_tower(depth: int) -> dict:
+    """Qwen2.5-VL-7B's vision tower at its real width; `depth` 32 is the real model."""
+    return dict(
+        depth=depth,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=3584,
+        fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < depth] or [depth - 1],
+        window_size=112,
+    )
+
+
+TINY_TOWER = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=2048,
+                  fullatt_block_indexes=[1], window_size=112)  # fmt: skip
+
+
+def profile_for(device: str, quick: bool) -> Profile:
+    if device == "cuda":
+        return Profile(
+            device="cuda", dtype="bfloat16", torch_threads=4, tower=real_tower(32),
+            transport_sizes=(8 * MiB, 32 * MiB), transport_bytes=(64 if quick else 512) * MiB,
+            transport_cache_bytes=(128 if quick else 1024) * MiB, rounds=1 if quick else 3,
+            serving_image=(448, 448), serving_images=32 if quick else 256, serving_clients=8,
+            batching_clients=16, batching_requests=4 if quick else 32, batching_image=(56, 56),
+            scale_requests=16 if quick else 64, scale_items=4, cache_repeats=3 if quick else 10,
+            image_sizes=((448, 448), (896, 896)), image_size_images=32 if quick else 256, preprocess_workers=12,
+        )  # fmt: skip
+    return Profile(
+        device="cpu", dtype="float32", torch_threads=1, tower=TINY_TOWER if quick else real_tower(1),
+        transport_sizes=(8 * MiB, 32 * MiB), transport_bytes=(32 if quick else 256) * MiB,
+        transport_cache_bytes=(64 if quick else 1024) * MiB, rounds=1 if quick else 7,
+        serving_image=(112, 112), serving_images=4 if quick else 12, serving_clients=2,
+        batching_clients=16, batching_requests=2 if quick else 12, batching_image=(56, 56),
+        scale_requests=2 if quick else 8, scale_items=2, cache_repeats=2 if quick else 5,
+        image_sizes=((112, 112), (224, 224)), image_size_images=4 if quick else 8, preprocess_workers=4,
+    )  # fmt: skip
+
+
+# Models on disk and in memory.
+
+
+def write_tower_checkpoint(out_dir: Path, vision_config: dict, device: str, seed: int = 0) -> Path:
+    """A Qwen2.5-VL checkpoint holding only the vision tower (random weights), in the real on-disk format.
+
+    The encoder server reads only `visual.*` tensors, so the language model is left out: a real-size
+    tower is written in seconds without building a 7B model.
+    """
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from encoder_server.default_model import RANDOM_WEIGHTS_MARKER
+
+    config = Qwen2_5_VLConfig(vision_config=vision_config)
+    torch.manual_seed(seed)
+    with torch.device(device):  # random init of a real-size tower is much faster on the GPU
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+    tensors = {f"visual.{k}": v.to(torch.bfloat16).cpu().contiguous() for k, v in tower.state_dict().items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).save_pretrained(out_dir)
+    (out_dir / RANDOM_WEIGHTS_MARKER).write_text("Random weights, written by scripts/bench.py.\n")
+    return out_dir
+
+
+class PixelTokenEncoder(VisionEncoder):
+    """The transport's model double: one bf16 embedding row per image pixel, read from a fixed random table.
+
+    It has a real model's contract and output sizes (an image of w x h pixels gives w*h rows), and
+    no compute, so what the transport section times is the server, the wire and the receiver.
+    """
+
+    def __init__(self, hidden_size: int, max_tokens: int):
+        self.table = torch.randn(max_tokens, hidden_size).to(torch.bfloat16)
+        self.spec = ModelSpec(
+            family="pixel_token", model_type="pixel_token", hidden_size=hidden_size, dtype=torch.bfloat16,
+            device=torch.device("cpu"), patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            num_deepstack_layers=0, weights_fingerprint=hashlib.sha256(b"pixel_token").hexdigest(),
+            preprocess_fingerprint="none",
+        )  # fmt: skip
+
+    def preprocess(self, image: Image.Image) -> PreparedImage:
+        width, height = image.size
+        tokens = width * height
+        return PreparedImage(torch.empty(0), (1, 2 * height, 2 * width), tokens, 4 * tokens)
+
+    def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
+        return [ImageEmbedding(self.table[: item.num_tokens]) for item in batch]
+
+
+def image_png(width: int, height: int, seed: int) -> bytes:
+    """A real PNG of random pixels; every seed gives different bytes, so no figure rides on the cache."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+class Seeds:
+    """Hands out image seeds no earlier request used."""
+
+    def __init__(self):
+        self._next = 1000
+
+    def take(self, n: int) -> range:
+        self._next += n
+        return range(self._next - n, self._next)
+
+
+# Child processes: the servers and the baselines' senders.
+
+
+def role_pixel_tokens(args) -> None:
+    """An encoder server process that serves the transport's model double through the real servicer."""
+    import logging
+
+    from encoder_server.cli import tune_malloc
+    from encoder_server.config import ServerConfig
+    from encoder_server.server import EncoderServer
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.no_tune_malloc:
+        tune_malloc()
+    max_tokens = max(args.payload_bytes) // (TRANSPORT_HIDDEN * 2)
+    encoder = PixelTokenEncoder(TRANSPORT_HIDDEN, max_tokens)
+    config = ServerConfig(model=args.model_dir, host="127.0.0.1", port=0, device="cpu", dtype=torch.bfloat16,
+                          cache_bytes=args.cache_bytes)  # fmt: skip
+
+    async def serve() -> None:
+        server = EncoderServer(config, encoder=encoder)
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def role_bare_grpc(args) -> None:
+    """The ceiling of gRPC in Python: a generic handler yielding pre-cut raw-bytes chunks, no protobuf."""
+    from encoder_server.cli import tune_malloc
+
+    tune_malloc()
+    chunk = args.chunk_bytes
+    payloads = {}
+    for size in args.payload_bytes:
+        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+        payloads[size] = [data[i : i + chunk] for i in range(0, size, chunk)]
+
+    async def stream(request: bytes, context):
+        for piece in payloads[int(request)]:
+            yield piece
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        handler = grpc.method_handlers_generic_handler("bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
+        server.add_generic_rpc_handlers([handler])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(f"ready on 127.0.0.1:{port}", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def role_zmq_push(args) -> None:
+    """SGLang's data plane: PUSH two frames per item (metadata, raw tensor bytes) when told how many."""
+    import zmq
+
+    from encoder_server.cli import tune_malloc
+
+    tune_malloc()
+    payloads = {size: np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes() for size in args.payload_bytes}
+    context = zmq.Context()
+    push, control = context.socket(zmq.PUSH), context.socket(zmq.REP)
+    push_port = push.bind_to_random_port("tcp://127.0.0.1")
+    control_port = control.bind_to_random_port("tcp://127.0.0.1")
+    print(f"control on 127.0.0.1:{control_port}", flush=True)
+    print(f"ready on 127.0.0.1:{push_port}", flush=True)
+    while True:
+        size, count = (int(x) for x in control.recv().split())
+        control.send(b"go")
+        meta = json.dumps({"shape": [size], "dtype": "uint8"}).encode()
+        for _ in range(count):
+            push.send_multipart([meta, payloads[size]], copy=False)
+
+
+ROLES = {"pixel-tokens": role_pixel_tokens, "bare-grpc": role_bare_grpc, "zmq-push": role_zmq_push}
+_READY = re.compile(r"ready on \S+:(\d+)")
+_CONTROL = re.compile(r"control on \S+:(\d+)")
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class Children:
+    """Starts child processes and waits for their ready line; kills them all on exit."""
+
+    def __init__(self, log_dir: Path, timeout: float):
+        self.log_dir = log_dir
+        self.timeout = timeout
+        self.started: list[Child] = []
+
+    async def spawn(self, name: str, argv: Sequence[str], threads: int) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        with log_path.open("w") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        child = Child(name, process, log_path)
+        self.started.append(child)
+        deadline = time.monotonic() + self.timeout
+        while not (match := _READY.search(child.log())):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start:\n{child.log()[-4000:]}")
+            await asyncio.sleep(0.1)
+        child.port = int(match.group(1))
+        return child
+
+    async def encoder_server(self, name: str, model_dir: Path, profile: Profile, *flags: str) -> Child:
+        argv = [sys.executable, "-m", "encoder_server", "--model", str(model_dir), "--host", "127.0.0.1",
+                "--port", "0", "--device", profile.device, "--dtype", profile.dtype,
+                "--preprocess-workers", str(profile.preprocess_workers), *flags]  # fmt: skip
+        return await self.spawn(name, argv, profile.torch_threads)
+
+    async def role(self, name: str, role: str, threads: int, *flags: str) -> Child:
+        return await self.spawn(name, [sys.executable, __file__, "--role", role, *flags], threads)
+
+    def stop(self) -> None:
+        for child in self.started:
+            if child.process.poll() is None:
+                child.process.terminate()
+        for child in self.started:
+            try:
+                child.process.wait(10)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+
+# Measuring.
+
+
+class Progress:
+    """One tqdm bar per section; `step` after each measurement."""
+
+    def __init__(self, section: str, total: int):
+        self.bar = tqdm(total=total, desc=f"{section:<12}", unit="step", file=sys.stderr, leave=True, dynamic_ncols=True)
+
+    def step(self, note: str = "") -> None:
+        self.bar.set_postfix_str(note, refresh=False)
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+async def interleaved(section: str, rounds: int, measures: dict[str, Callable[[], Awaitable[float]]]) -> dict[str, list[float]]:
+    """Runs every measure once per round, under a progress bar; returns each one's results.
+
+    The order changes from round to round (seeded), so no measure always follows the same
+    neighbour or always runs first after a change of payload size.
+    """
+    runs: dict[str, list[float]] = {name: [] for name in measures}
+    progress = Progress(section, rounds * len(measures))
+    try:
+        for round_index in range(rounds):
+            order = list(measures)
+            random.Random(round_index).shuffle(order)
+            for name in order:
+                runs[name].append(await measures[name]())
+                progress.step(name)
+    finally:
+        progress.close()
+    return runs
+
+
+async def timed(run: Callable[[], Awaitable[None]]) -> float:
+    started = time.perf_counter()
+    await run()
+    return time.perf_counter() - started
+
+
+Call = Callable[[], Awaitable[int]]  # one request; returns how many items it carried
+
+
+async def closed_loop(clients: int, requests: Sequence[Call]) -> float:
+    """Runs the requests with `clients` in flight at a time; returns items per second."""
+    queue = list(reversed(requests))
+    return await concurrent_clients([queue] * clients)
+
+
+async def concurrent_clients(per_client: Sequence[list[Call]]) -> float:
+    """Each client pops and runs requests from its list, one at a time, all clients at once.
+
+    Lists may be shared. Returns the items of all requests per second of wall time.
+    """
+    done: list[int] = []
+
+    async def client(requests: list[Call]) -> None:
+        while requests:
+            done.append(await requests.pop()())
+
+    seconds = await timed(lambda: asyncio.gather(*(client(requests) for requests in per_client)))
+    return sum(done) / seconds
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU time (user + system, all threads) the processes have used so far, from /proc."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def encode_call(receiver, request_id: str, images: Sequence[bytes]) -> Call:
+    async def call() -> int:
+        result = await receiver.encode(request_id, [{"modality": "image", "data": d} for d in images])
+        return len(result.items)
+
+    return call
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def summary(values: Sequence[float]) -> dict:
+    return {"median": median(values), "min": min(values), "max": max(values), "runs": list(values)}
+
+
+def rates(runs: dict[str, list[float]], ours: str, baseline: str) -> dict:
+    """Images/s of both sides and their paired ratio, keyed `<side>_images_per_s` and `ratio`."""
+    return {
+        f"{ours}_images_per_s": summary(runs[ours]),
+        f"{baseline}_images_per_s": summary(runs[baseline]),
+        "ratio": paired_ratio(runs[ours], runs[baseline]),
+    }
+
+
+def paired_ratio(ours: Sequence[float], baseline: Sequence[float]) -> float:
+    """Median over rounds of ours / baseline, the two of each pair measured in the same round.
+
+    On a shared machine the load drifts from round to round; a ratio taken within a round cancels
+    most of that, where a ratio of two medians would not.
+    """
+    return median([a / b for a, b in zip(ours, baseline)])
+
+
+# The sections. Each takes the run's context and returns its JSON dict.
+
+
+@dataclasses.dataclass
+class Context:
+    profile: Profile
+    children: Children
+    workdir: Path
+    seeds: Seeds = dataclasses.field(default_factory=Seeds)
+    servers: dict[str, Child] = dataclasses.field(default_factory=dict)
+    models: dict[str, Path] = dataclasses.field(default_factory=dict)
+
+
+def transport_image(size: int, seed: int) -> bytes:
+    """A PNG whose embedding from the pixel-token model is exactly `size` bytes of bf16."""
+    tokens = size // (TRANSPORT_HIDDEN * 2)
+    width = 1 << (tokens.bit_length() // 2)
+    return image_png(width, tokens // width, seed)
+
+
+async def section_transport(ctx: Context) -> dict:
+    import zmq
+
+    from receiver import EncoderReceiver
+    from receiver.buffers import POOL
+
+    p = ctx.profile
+    sizes = p.transport_sizes
+    servers = ctx.servers
+    receivers = {name: EncoderReceiver([servers[name].url]) for name in ("pixel-tokens", "pixel-tokens-malloc-default")}
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{servers['bare-grpc'].port}")
+    bare_stream = channel.unary_stream(BARE_METHOD)
+    zctx = zmq.Context()
+    pull, control = zctx.socket(zmq.PULL), zctx.socket(zmq.REQ)
+    pull.connect(f"tcp://127.0.0.1:{servers['zmq-push'].port}")
+    control.connect(f"tcp://127.0.0.1:{_CONTROL.search(servers['zmq-push'].log()).group(1)}")
+
+    async def ours(server: str, cached: bool, size: int, n: int) -> float:
+        """Sequential one-item calls; `cached` sends one image again and again, else a new one each time."""
+        receiver = receivers[server]
+        if cached:
+            images = [transport_image(size, seed=size)] * n
+            await receiver.encode("transport-cache-fill", [{"data": images[0]}])
+        else:
+            images = [transport_image(size, seed) for seed in ctx.seeds.take(n)]
+        started = time.perf_counter()
+        for i, data in enumerate(images):
+            (item,) = (await receiver.encode(f"transport-{i}", [{"data": data}])).items
+            assert item.cache_hit == cached and item.embedding.numel() * item.embedding.element_size() == size
+        return time.perf_counter() - started
+
+    async def bare_grpc(size: int, n: int, allocate=POOL.empty) -> float:
+        """The same bytes into the same kind of buffer as ours, without protocol, cache or bookkeeping."""
+        request = str(size).encode()
+        started = time.perf_counter()
+        for _ in range(n):
+            tensor = allocate((size,), torch.uint8)
+            dst, filled = tensor.numpy(), 0
+            async for chunk in bare_stream(request):
+                dst[filled : filled + len(chunk)] = np.frombuffer(chunk, np.uint8)
+                filled += len(chunk)
+            assert filled == size
+        return time.perf_counter() - started
+
+    def zmq_pull(size: int, n: int) -> float:
+        started = time.perf_counter()
+        control.send(f"{size} {n}".encode())
+        control.recv()
+        for _ in range(n):
+            _meta, frame = pull.recv_multipart(copy=False)
+            tensor = POOL.empty((size,), torch.uint8)
+            tensor.numpy()[:] = np.frombuffer(frame.buffer, np.uint8)
+        return time.perf_counter() - started
+
+    async def memcpy(size: int, n: int) -> float:
+        src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)  # fault the destination's pages in before timing
+        started = time.perf_counter()
+        for _ in range(n):
+            np.copyto(dst, src)
+        return time.perf_counter() - started
+
+    methods: dict[str, Callable[[int, int], Awaitable[float]]] = {
+        "ours_cached": functools.partial(ours, "pixel-tokens", True),
+        "ours_computed": functools.partial(ours, "pixel-tokens", False),
+        "ours_computed_server_malloc_default": functools.partial(ours, "pixel-tokens-malloc-default", False),
+        "bare_grpc": bare_grpc,
+        "bare_grpc_torch_empty": functools.partial(bare_grpc, allocate=lambda shape, dtype: torch.empty(shape, dtype=dtype)),
+        "zmq": lambda size, n: asyncio.to_thread(zmq_pull, size, n),
+        "memcpy": memcpy,
+    }
+    async def gbps(measure: Callable[[int, int], Awaitable[float]], size: int) -> float:
+        n = max(2, p.transport_bytes // size)
+        return n * size / await measure(size, n) / 1e9
+
+    try:
+        # Warm-up: connections, and the servers' caches filled once, so that every timed miss evicts
+        # and reuses memory as a long-running server does instead of growing the heap.
+        for server in receivers:
+            for size in sizes:
+                await ours(server, False, size, max(1, p.transport_cache_bytes // len(sizes) // size))
+        for size in sizes:
+            for method in ("bare_grpc", "bare_grpc_torch_empty", "zmq"):
+                await methods[method](size, 1)
+        measures = {
+            f"{size // MiB} MiB {method}": functools.partial(gbps, measure, size)
+            for size in sizes
+            for method, measure in methods.items()
+        }
+        runs = await interleaved("transport", p.rounds, measures)
+    finally:
+        for receiver in receivers.values():
+            await receiver.close()
+        await channel.close()
+        zctx.destroy(linger=0)
+    out = {}
+    for size in sizes:
+        by_method = {method: runs[f"{size // MiB} MiB {method}"] for method in methods}
+        ratio = lambda a, b: paired_ratio(by_method[a], by_method[b])  # noqa: E731
+        out[f"{size // MiB}MiB"] = {
+            "payload_bytes": size,
+            "gbps": {method: median(values) for method, values in by_method.items()},
+            "runs_gbps": by_method,
+            "ours_vs_bare_grpc": ratio("ours_cached", "bare_grpc"),
+            "ours_computed_vs_bare_grpc": ratio("ours_computed", "bare_grpc"),
+            "ours_vs_zmq": ratio("ours_cached", "zmq"),
+            "ours_vs_memcpy": ratio("ours_cached", "memcpy"),
+            "server_malloc_tuned_vs_default": ratio("ours_computed", "ours_computed_server_malloc_default"),
+            "receiver_huge_pages_vs_torch_empty": ratio("bare_grpc", "bare_grpc_torch_empty"),
+        }
+    return out
+
+
+def load_in_process(ctx: Context):
+    from encoder_server.models import load_vision_encoder
+    from protos.wire import DTYPE_NAMES
+
+    return load_vision_encoder(ctx.models["tower"], ctx.profile.device, DTYPE_NAMES[ctx.profile.dtype])
+
+
+async def section_serving(ctx: Context) -> dict:
+    from encoder_server.images import decode_image
+    from receiver import EncoderReceiver
+
+    p = ctx.profile
+    encoder = await asyncio.to_thread(load_in_process, ctx)
+    width, height = p.serving_image
+
+    def in_process(images: Sequence[bytes]) -> float:
+        started = time.perf_counter()
+        for data in images:
+            (output,) = encoder.encode([encoder.preprocess(decode_image(data))])
+        return len(images) / (time.perf_counter() - started)
+
+    images: list[bytes] = []
+
+    async def server() -> float:
+        # Fresh images each round, the same ones on both sides: no run is helped by the cache.
+        images[:] = [image_png(width, height, seed) for seed in ctx.seeds.take(p.serving_images)]
+        calls = [encode_call(receiver, f"serving-{i}", [data]) for i, data in enumerate(images)]
+        return await closed_loop(p.serving_clients, calls)
+
+    async with EncoderReceiver([ctx.servers["tower"].url]) as receiver:
+        warm = [image_png(width, height, seed) for seed in ctx.seeds.take(2)]
+        await asyncio.to_thread(in_process, warm[:1])
+        await encode_call(receiver, "warm", warm[1:])()
+        runs = await interleaved(
+            "serving", p.rounds, {"server": server, "in_process": lambda: asyncio.to_thread(in_process, images)}
+        )
+    return {
+        "image": f"{width}x{height}",
+        "tower": p.tower,
+        "dtype": p.dtype,
+        "torch_threads": p.torch_threads,
+        "clients": p.serving_clients,
+        **rates(runs, "server", "in_process"),
+    }
+
+
+async def section_batching(ctx: Context) -> dict:
+    from receiver import EncoderReceiver
+
+    p = ctx.profile
+    width, height = p.batching_image
+    modes = ("on", "off")
+    receivers = {
+        mode: [EncoderReceiver([ctx.servers[f"batching-{mode}"].url]) for _ in range(p.batching_clients)]
+        for mode in modes
+    }
+
+    async def run(mode: str) -> float:
+        def client_calls(receiver, client: int):
+            images = [image_png(width, height, seed) for seed in ctx.seeds.take(p.batching_requests)]
+            return [encode_call(receiver, f"batching-{client}-{i}", [d]) for i, d in enumerate(images)]
+
+        return await concurrent_clients([client_calls(rx, c) for c, rx in enumerate(receivers[mode])])
+
+    try:
+        for mode in modes:
+            await run(mode)  # warm-up: channels connected, first forwards done
+        runs = await interleaved("batching", p.rounds, {mode: functools.partial(run, mode) for mode in modes})
+    finally:
+        for group in receivers.values():
+            await asyncio.gather(*(rx.close() for rx in group))
+    return {
+        "clients": p.batching_clients,
+        "image": f"{width}x{height}",
+        "model": "built-in default (tiny Qwen2.5-VL tower)",
+        **rates(runs, "on", "off"),
+    }
+
+
+async def section_scale_out(ctx: Context) -> dict:
+    from receiver import EncoderReceiver
+
+    p = ctx.profile
+    width, height = p.serving_image
+    urls = {"one": [ctx.servers["scale-a"].url], "two": [ctx.servers["scale-a"].url, ctx.servers["scale-b"].url]}
+    receivers = {k: EncoderReceiver(v, seed=0) for k, v in urls.items()}
+    clients = 2
+    pids = [ctx.servers[name].process.pid for name in ("scale-a", "scale-b")]
+    cores: dict[str, list[float]] = {mode: [] for mode in urls}
+
+    async def run(mode: str, requests: int) -> float:
+        calls = []
+        for r in range(requests):
+            images = [image_png(width, height, seed) for seed in ctx.seeds.take(p.scale_items)]
+            calls.append(encode_call(receivers[mode], f"scale-{r}", images))
+        cpu, wall = cpu_seconds(pids), time.perf_counter()
+        rate = await closed_loop(clients, calls)
+        # How many cores the encoder processes got: what bounds 2 single-thread processes on a busy host.
+        cores[mode].append((cpu_seconds(pids) - cpu) / (time.perf_counter() - wall))
+        return rate
+
+    try:
+        await run("two", 1)  # warm-up of the second encoder
+        runs = await interleaved(
+            "scale_out", p.rounds, {mode: functools.partial(run, mode, p.scale_requests) for mode in urls}
+        )
+    finally:
+        for rx in receivers.values():
+            await rx.close()
+    return {
+        "image": f"{width}x{height}",
+        "items_per_request": p.scale_items,
+        "requests_in_flight": clients,
+        "torch_threads_per_process": p.torch_threads,
+        "max_batch_images": 1,
+        "encoder_cores_used": {mode: median(values) for mode, values in cores.items()},
+        **rates(runs, "two", "one"),
+    }
+
+
+async def section_cache(ctx: Context) -> dict:
+    from receiver import EncoderReceiver
+
+    p = ctx.profile
+    width, height = p.serving_image
+    miss_ms, hit_ms = [], []
+    progress = Progress("cache", p.cache_repeats)
+    async with EncoderReceiver([ctx.servers["tower"].url]) as receiver:
+        for seed in ctx.seeds.take(p.cache_repeats):
+            items = [{"data": image_png(width, height, seed)}]
+            started = time.perf_counter()
+            miss = (await receiver.encode(f"miss-{seed}", items)).items[0]
+            miss_ms.append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            hit = (await receiver.encode(f"hit-{seed}", items)).items[0]
+            hit_ms.append((time.perf_counter() - started) * 1000)
+            assert not miss.cache_hit and hit.cache_hit and torch.equal(hit.embedding, miss.embedding)
+            progress.step()
+    progress.close()
+    return {
+        "image": f"{width}x{height}",
+        "miss_ms": summary(miss_ms),
+        "hit_ms": summary(hit_ms),
+        "speedup": paired_ratio(miss_ms, hit_ms),
+    }
+
+
+async def section_image_sizes(ctx: Context) -> dict:
+    from receiver import EncoderReceiver
+
+    p = ctx.profile
+    out = {}
+    progress = Progress("image_sizes", len(p.image_sizes))
+    async with EncoderReceiver([ctx.servers["tower"].url]) as receiver:
+        for width, height in p.image_sizes:
+            warm = [image_png(width, height, seed) for seed in ctx.seeds.take(1)]
+            await encode_call(receiver, "warm", warm)()
+            tokens = (await receiver.encode("tokens", [{"data": warm[0]}])).items[0].num_tokens
+            images = [image_png(width, height, seed) for seed in ctx.seeds.take(p.image_size_images)]
+            calls = [encode_call(receiver, f"size-{i}", [d]) for i, d in enumerate(images)]
+            rate = await closed_loop(p.serving_clients, calls)
+            itemsize = torch.finfo(getattr(torch, p.dtype)).bits // 8
+            out[f"{width}x{height}"] = {
+                "images_per_s": rate,
+                "tokens_per_image": tokens,
+                "embedding_gbps": rate * tokens * p.tower["out_hidden_size"] * itemsize / 1e9,
+            }
+            progress.step(f"{width}x{height}")
+    progress.close()
+    return {"tower": p.tower, "dtype": p.dtype, "device": p.device, "sizes": out}
+
+
+RUNNERS = {
+    "transport": section_transport,
+    "serving": section_serving,
+    "batching": section_batching,
+    "scale_out": section_scale_out,
+    "cache": section_cache,
+    "image_sizes": section_image_sizes,
+}
+
+
+async def start_processes(ctx: Context, sections: Sequence[str]) -> None:
+    """Writes the models and starts every server the chosen sections use, all at once."""
+    from encoder_server.default_model import write_default_model
+
+    p, children = ctx.profile, ctx.children
+    starts: dict[str, Awaitable[Child]] = {}
+    if "transport" in sections:
+        sizes = [str(s) for s in p.transport_sizes]
+        pixel = ["--payload-bytes", *sizes, "--model-dir", str(ctx.workdir), "--cache-bytes", str(p.transport_cache_bytes)]
+        starts["pixel-tokens"] = children.role("pixel-tokens", "pixel-tokens", 1, *pixel)
+        starts["pixel-tokens-malloc-default"] = children.role("pixel-tokens-malloc-default", "pixel-tokens", 1,
+                                                              *pixel, "--no-tune-malloc")  # fmt: skip
+        starts["bare-grpc"] = children.role("bare-grpc", "bare-grpc", 1, "--payload-bytes", *sizes)
+        starts["zmq-push"] = children.role("zmq-push", "zmq-push", 1, "--payload-bytes", *sizes)
+    if {"serving", "scale_out", "cache", "image_sizes"} & set(sections):
+        ctx.models["tower"] = await asyncio.to_thread(
+            write_tower_checkpoint, ctx.workdir / "tower", p.tower, p.device
+        )
+        if {"serving", "cache", "image_sizes"} & set(sections):
+            starts["tower"] = children.encoder_server("tower", ctx.models["tower"], p)
+        if "scale_out" in sections:
+            # One image per forward: the figure is about processes, and on a CPU a bigger batch alone
+            # makes a lone server's forwards cheaper per image (the batching section measures that).
+            for name in ("scale-a", "scale-b"):
+                starts[name] = children.encoder_server(name, ctx.models["tower"], p, "--max-batch-images", "1")
+    if "batching" in sections:
+        ctx.models["default"] = await asyncio.to_thread(write_default_model, ctx.workdir / "default")
+        starts["batching-on"] = children.encoder_server("batching-on", ctx.models["default"], p)
+        starts["batching-off"] = children.encoder_server("batching-off", ctx.models["default"], p,
+                                                         "--max-batch-images", "1")  # fmt: skip
+    started = await asyncio.gather(*starts.values())
+    ctx.servers.update(zip(starts, started))
+
+
+# Goals, table, JSON.
+
+GOALS = [
+    # (name, section, path to the ratio, target)
+    ("transport 8 MiB: ours / bare grpcio", "transport", ("8MiB", "ours_vs_bare_grpc"), 0.9),
+    ("transport 32 MiB: ours / bare grpcio", "transport", ("32MiB", "ours_vs_bare_grpc"), 0.9),
+    ("serving: server / in-process", "serving", ("ratio",), 0.9),
+    ("batching: on / off", "batching", ("ratio",), 1.5),
+    ("scale-out: 2 processes / 1", "scale_out", ("ratio",), 1.7),
+    ("cache: miss / hit latency", "cache", ("speedup",), 20.0),
+]
+
+
+def goals(results: dict) -> list[dict]:
+    out = []
+    for name, section, path, target in GOALS:
+        if section not in results:
+            continue
+        value = results[section]
+        for key in path:
+            value = value[key]
+        out.append({"goal": name, "target": target, "measured": value, "met": value >= target})
+    return out
+
+
+RATE_ROWS = [  # section, figure, (key, label) of ours, (key, label) of the baseline
+    ("serving", "serving {image}", ("server", "server"), ("in_process", "in-process")),
+    ("batching", "batching {clients} clients {image}", ("on", "on"), ("off", "off")),
+    ("scale_out", "scale-out {image} (encoder cores used: {encoder_cores_used[two]:.2f} vs {encoder_cores_used[one]:.2f})",
+     ("two", "2 processes"), ("one", "1 process")),
+]
+
+
+def table(results: dict) -> str:
+    rows: list[tuple[str, str, str, str]] = []
+    if "transport" in results:
+        for size, r in results["transport"].items():
+            g = r["gbps"]
+            rows.append((f"transport {size} bf16", f"ours {g['ours_cached']:.2f} GB/s",
+                         f"bare grpcio {g['bare_grpc']:.2f} / zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} GB/s",
+                         f"{r['ours_vs_bare_grpc']:.2f}x / {r['ours_vs_zmq']:.2f}x / {r['ours_vs_memcpy']:.3f}x"))
+            rows.append((f"  computed (miss) {size}", f"ours {g['ours_computed']:.2f} GB/s",
+                         f"bare grpcio {g['bare_grpc']:.2f} GB/s", f"{r['ours_computed_vs_bare_grpc']:.2f}x"))
+            rows.append((f"  server malloc {size}", f"tuned {g['ours_computed']:.2f} GB/s",
+                         f"glibc default {g['ours_computed_server_malloc_default']:.2f} GB/s",
+                         f"{r['server_malloc_tuned_vs_default']:.2f}x"))
+            rows.append((f"  receive buffer {size}", f"huge pages {g['bare_grpc']:.2f} GB/s",
+                         f"torch.empty {g['bare_grpc_torch_empty']:.2f} GB/s",
+                         f"{r['receiver_huge_pages_vs_torch_empty']:.2f}x"))  # fmt: skip
+    for section, figure, (ours, ours_label), (base, base_label) in RATE_ROWS:
+        if section in results:
+            r = results[section]
+            rows.append((figure.format(**r), f"{ours_label} {r[f'{ours}_images_per_s']['median']:.2f} img/s",
+                         f"{base_label} {r[f'{base}_images_per_s']['median']:.2f} img/s", f"{r['ratio']:.2f}x"))  # fmt: skip
+    if "cache" in results:
+        r = results["cache"]
+        rows.append((f"cache {r['image']}", f"hit {r['hit_ms']['median']:.2f} ms",
+                     f"miss {r['miss_ms']['median']:.1f} ms", f"{r['speedup']:.0f}x faster"))  # fmt: skip
+    if "image_sizes" in results:
+        for size, r in results["image_sizes"]["sizes"].items():
+            rows.append((f"images {size}", f"{r['images_per_s']:.2f} img/s",
+                         f"{r['tokens_per_image']} tokens, {r['embedding_gbps']:.3f} GB/s of embeddings", ""))  # fmt: skip
+    header = ("figure", "ours", "baseline (same run)", "ratio")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in [header, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    load = results["machine"]
+    lines.append(f"ratios: median over {results['profile']['rounds']} rounds of pairs measured in the same round; load average "
+                 f"{load['load_average_before'][0]:.1f} before, {load['load_average_after'][0]:.1f} after")  # fmt: skip
+    for g in results.get("goals", []):
+        lines.append(f"goal {g['goal']} >= {g['target']}: {g['measured']:.2f} {'met' if g['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+async def run_benchmark(args, profile: Profile, workdir: Path) -> dict:
+    sections = [s for s in SECTIONS if s in args.sections]
+    children = Children(workdir, timeout=600 if profile.device == "cuda" else 300)
+    ctx = Context(profile, children, workdir)
+    if profile.device == "cpu":
+        torch.set_num_threads(profile.torch_threads)
+    results: dict = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "quick": args.quick,
+        "profile": dataclasses.asdict(profile),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "grpcio": grpc.__version__,
+            "chunk_bytes": wire.CHUNK_BYTES,
+            "gpu": torch.cuda.get_device_name() if profile.device == "cuda" else None,
+            "load_average_before": os.getloadavg(),
+        },
+    }
+    started = time.perf_counter()
+    try:
+        await start_processes(ctx, sections)
+        for section in sections:
+            results[section] = await RUNNERS[section](ctx)
+    finally:
+        children.stop()
+    results["machine"]["load_average_after"] = os.getloadavg()
+    results["goals"] = goals(results)
+    results["seconds"] = time.perf_counter() - started
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short run with small models (CI)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)}")  # fmt: skip
+    parser.add_argument("--workdir", type=Path, help="keep models and logs here (default: a temp dir)")
+    parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
+    parser.add_argument("--payload-bytes", type=int, nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-bytes", type=int, default=wire.CHUNK_BYTES, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help=argparse.SUPPRESS)
+    parser.add_argument("--no-tune-malloc", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role:
+        ROLES[args.role](args)
+        return
+    unknown = set(args.sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {','.join(SECTIONS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU is visible to torch")
+    profile = profile_for(args.device, args.quick)
+    with contextlib.ExitStack() as stack:
+        workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="encoder-bench-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        results = asyncio.run(run_benchmark(args, profile, workdir))
+    print(table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
