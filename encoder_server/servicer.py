@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 # Items up to this size are read and hashed on the event loop (sha256 of 64 KiB: ~50 us): cheaper
 # than the round trip to a preprocessing thread, which cost ~0.25 ms of CPU per call on a cache hit.
+# (Telling the size copies the bytes out of the message, ~0.1 ms per MiB; ByteSize() costs more.)
 INLINE_READ_BYTES = 64 << 10
 
 
@@ -186,7 +187,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             admitted.done()
 
     def _read_item(self, item: pb.ImageItem) -> tuple[bytes, bytes | None]:
-        """The item's bytes and, with the cache on, its cache key; on a preprocessing thread."""
+        """The item's bytes and, with the cache on, its cache key; on a preprocessing thread unless small."""
         data = item_bytes(item, self.config.sources)
         if self.cache is None:
             return data, None
