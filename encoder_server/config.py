@@ -8,10 +8,9 @@ import torch
 
 from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
+from .shm import ShmConfig
 from .sources import SourcePolicy
 from .tls import TlsConfig
-from .images import DEFAULT_MAX_IMAGE_PIXELS
-from .shm import ShmConfig
 
 DEFAULT_CACHE_BYTES = 1 << 30
 

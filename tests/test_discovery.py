@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from protos.errors import UnavailableError
-from receiver import EncoderReceiver, ShardError
+from receiver import EncoderReceiver
 from receiver.discovery import DEFAULT_PORT, DnsName, EncoderDiscovery, address_url, parse_encoder_url, resolve_all
 from tests.support import image_bytes, running_server
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import http.server
 import io
