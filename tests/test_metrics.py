@@ -158,6 +158,19 @@ async def test_cache_hook_is_read_at_each_scrape(default_model_dir):
     assert value(second, "encoder_cache_bytes") == 1 << 20 and value(second, "encoder_cache_entries") == 2
 
 
+async def test_the_servers_own_cache_is_reported(default_model_dir):
+    png = image_bytes(40, 40, seed=11)
+    async with running_server(default_model_dir, metrics_port=0, warmup=False) as server:
+        async with EncoderReceiver([server.url]) as rx:
+            first = await rx.encode("miss", [{"data": png}])
+            second = await rx.encode("hit", [{"data": png}])
+        samples = scrape(server.metrics_port)
+    assert not first.items[0].cache_hit and second.items[0].cache_hit
+    assert value(samples, "encoder_cache_misses_total") == 1 and value(samples, "encoder_cache_hits_total") == 1
+    assert value(samples, "encoder_cache_entries") == 1
+    assert value(samples, "encoder_cache_bytes") >= first.items[0].embedding.numel() * 4
+
+
 LOG_LINE = re.compile(
     r"request (?P<id>\S+): (?P<code>[A-Z_]+), (?P<sent>\d+)/(?P<items>\d+) items, (?P<tokens>\d+) tokens, "
     r"[\d.]+ MB, preprocess [\d.]+ ms, queue [\d.]+ ms, forward [\d.]+ ms, stream [\d.]+ ms, total [\d.]+ ms$"
