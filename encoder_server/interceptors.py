@@ -54,6 +54,8 @@ class DrainGate(grpc.aio.ServerInterceptor):
 
     async def wait_idle(self, timeout: float) -> bool:
         """Waits until no call runs, up to `timeout` seconds; True when none is left."""
+        if self._idle.is_set():  # wait_for with a zero timeout would not even look
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
