@@ -94,8 +94,10 @@ def big_reference(default_model_dir):
 
 @pytest.fixture(scope="module")
 def trio(default_model_dir, tmp_path_factory):
-    # One image per forward, so a victim's later items are not produced yet when the fault lands.
-    with processes(default_model_dir, 3, "--max-batch-images", "1", log_dir=tmp_path_factory.mktemp("trio")) as procs:
+    # One image per forward and no embedding cache, so a victim's later items are not produced yet
+    # when the fault lands (the baseline runs would otherwise leave them cached, ready to stream).
+    flags = ("--max-batch-images", "1", "--cache-bytes", "0")
+    with processes(default_model_dir, 3, *flags, log_dir=tmp_path_factory.mktemp("trio")) as procs:
         yield procs
 
 
