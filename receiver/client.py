@@ -232,7 +232,7 @@ class EncoderReceiver:
                 reason=reason,
                 encoder_url=encoder_url,
                 attempts=attempts,
-                completed=set(results),
+                completed=set(results) & attempts.keys(),  # precomputed items were never sent
             )
 
         try:

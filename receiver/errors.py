@@ -36,11 +36,15 @@ class ShardError(EncoderError):
         self.request_id = request_id
         self.item_indices = list(item_indices)
         self.code = code
-        self.cause_class = error_class_for(code) if code is not None else EncoderError
         self.message = message
         super().__init__(
             f"encoder {encoder_url} failed request {request_id!r} items {self.item_indices}: {self.status}: {message}"
         )
+
+    @property
+    def cause_class(self) -> type[EncoderError]:
+        """The error class the status stands for (OverloadedError for RESOURCE_EXHAUSTED, ...)."""
+        return error_class_for(self.code) if self.code is not None else EncoderError
 
     @property
     def status(self) -> str:
@@ -88,7 +92,6 @@ class EncodeFailedError(ShardError):
         self.request_id = request_id
         self.item_indices = sorted(set(attempts) - completed)
         self.code = code
-        self.cause_class = error_class_for(code)
         self.message = reason
         self.attempts = {index: list(tries) for index, tries in attempts.items()}
         lines = [
