@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protos.errors import OverloadedError, TokenCountMismatchError, UnavailableError
+from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
 
 from .models import ImageEmbedding, PreparedImage, VisionEncoder
 

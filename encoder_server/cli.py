@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from protos.env_flags import EnvDefaultsParser
+from encoder_common.env_flags import EnvDefaultsParser
 
 def build_parser() -> argparse.ArgumentParser:
     from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS

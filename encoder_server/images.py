@@ -7,7 +7,7 @@ import io
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from protos.errors import InvalidItemError
+from encoder_common.errors import InvalidItemError
 
 # Refuse images above this many pixels before decoding (decompression bombs). Pillow's own
 # threshold (~89.5M pixels, 9459 x 9459): up to it Pillow stays silent, and it refuses anything

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from protos import encoder_pb2 as pb
 from protos import wire
-from protos.errors import status_for
+from encoder_common.errors import status_for
 
 from .models import ImageEmbedding, PreparedImage, VisionEncoder
 

@@ -20,7 +20,7 @@ from .auth import BearerTokenInterceptor, read_token_file
 from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace
 from .config import ServerConfig
-from .default_model import has_random_weights
+from .models.loading import has_random_weights
 from .interceptors import DrainGate
 from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder

@@ -17,7 +17,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from protos.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
+from encoder_common.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
 
 from . import __version__
 from .batcher import Batcher

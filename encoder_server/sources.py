@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protos import encoder_pb2 as pb
-from protos.data_uri import decode_data_uri
-from protos.errors import InvalidItemError
-from protos.file_url import read_file_url
+from encoder_common.data_uri import decode_data_uri
+from encoder_common.errors import InvalidItemError
+from encoder_common.file_url import read_file_url
 
 
 @dataclass(frozen=True, kw_only=True)

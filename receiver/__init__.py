@@ -3,7 +3,7 @@
 Importing it loads no model code (no transformers), only grpc, protobuf and torch.
 """
 
-from protos.errors import (
+from encoder_common.errors import (
     DeadlineExceededError,
     EncoderError,
     InvalidItemError,

@@ -10,7 +10,7 @@ import torch
 
 from protos import encoder_pb2 as pb
 from protos import wire
-from protos.errors import EncoderError
+from encoder_common.errors import EncoderError
 
 from .buffers import POOL
 from .result import ItemResult

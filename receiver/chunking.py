@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from protos.errors import ItemsOffsetError
+from encoder_common.errors import ItemsOffsetError
 
 ItemsOffset = Sequence[tuple[int, int]]
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
-from protos.env_flags import EnvDefaultsParser
+from encoder_common.env_flags import EnvDefaultsParser
 
 ENV_PREFIX = "ENCODER_CLIENT_"
 

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from protos import encoder_pb2 as pb
-from protos.errors import EncoderError, SharedMemoryUnavailableError, error_class_for
+from encoder_common.errors import EncoderError, SharedMemoryUnavailableError, error_class_for
 
 from .assembly import ShardAssembler, StreamProtocolError
 from .channels import ClientTls, EncoderEndpoint

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from protos.errors import UnavailableError
+from encoder_common.errors import UnavailableError
 
 from .channels import EncoderEndpoint, grpc_target
 from .metrics import ReceiverMetrics

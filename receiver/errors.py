@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos.errors import (
+from encoder_common.errors import (
     DeadlineExceededError,
     EncoderError,
     InvalidItemError,

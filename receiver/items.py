@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protos.data_uri import decode_data_uri
-from protos.errors import InvalidItemError, UnsupportedModalityError
-from protos.file_url import read_file_url
+from encoder_common.data_uri import decode_data_uri
+from encoder_common.errors import InvalidItemError, UnsupportedModalityError
+from encoder_common.file_url import read_file_url
 
 # The keys an item may carry; anything else is a typo or a feature this receiver lacks, and
 # guessing would send the wrong bytes. An item carrying its embedding may omit data and url.

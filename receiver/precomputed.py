@@ -11,7 +11,7 @@ import torch
 
 from protos import encoder_pb2 as pb
 from protos import wire
-from protos.errors import EncoderError, InvalidItemError
+from encoder_common.errors import EncoderError, InvalidItemError
 
 from .result import ItemResult
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from protos.errors import InvalidItemError, ItemsOffsetError
+from encoder_common.errors import InvalidItemError, ItemsOffsetError
 
 from .chunking import ItemsOffset
 from .result import EncodeResult

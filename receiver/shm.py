@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from protos import encoder_pb2 as pb
-from protos.errors import SharedMemoryUnavailableError
+from encoder_common.errors import SharedMemoryUnavailableError
 from protos.shm import (
     HEADER_BYTES,
     RECEIVER_KIND,

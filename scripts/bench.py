@@ -128,7 +128,7 @@ def write_tower_checkpoint(out_dir: Path, vision_config: dict, device: str, seed
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from encoder_server.default_model import RANDOM_WEIGHTS_MARKER
+    from encoder_server.models.loading import RANDOM_WEIGHTS_MARKER
 
     config = Qwen2_5_VLConfig(vision_config=vision_config)
     torch.manual_seed(seed)
@@ -756,7 +756,7 @@ RUNNERS = {
 
 async def start_processes(ctx: Context, sections: Sequence[str]) -> None:
     """Writes the models and starts every server the chosen sections use, all at once."""
-    from encoder_server.default_model import write_default_model
+    from testkit.default_model import write_default_model
 
     p, children = ctx.profile, ctx.children
     starts: dict[str, Awaitable[Child]] = {}

@@ -10,11 +10,15 @@ import tempfile
 import time
 
 import torch
+import sys
+from pathlib import Path
 
-from encoder_server.default_model import ensure_default_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
+
+from testkit.default_model import ensure_default_model
 from protos.wire import DTYPE_NAMES
 from receiver import EncoderReceiver, batch_embedding, get_embedding_chunk
-from tests.support import image_bytes, running_server
+from testkit.support import image_bytes, running_server
 
 
 def median_ms(samples: list[float]) -> float:

@@ -48,7 +48,7 @@ def serve_fixed(num_tokens: int) -> None:
     from encoder_server.cli import tune_malloc
     from encoder_server.server import EncoderServer
     from encoder_server.shm import ShmConfig
-    from tests.support import FixedSizeEncoder, server_config
+    from testkit.support import FixedSizeEncoder, server_config
 
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the encoder-server CLI does

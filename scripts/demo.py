@@ -19,9 +19,9 @@ from PIL import Image, ImageDraw
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from encoder_server.default_model import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
-from encoder_server.launcher import launch_server  # noqa: E402
-from encoder_server.models.reference import reference_features  # noqa: E402
+from testkit.default_model import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
+from testkit.launcher import launch_server  # noqa: E402
+from testkit.reference import reference_features  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 
 

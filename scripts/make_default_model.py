@@ -1,8 +1,12 @@
 """Writes the built-in default model (random weights, real Qwen2.5-VL checkpoint format)."""
 
 import argparse
+import sys
+from pathlib import Path
 
-from encoder_server.default_model import DEFAULT_MODEL_DIR, write_default_model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
+
+from testkit.default_model import DEFAULT_MODEL_DIR, write_default_model
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

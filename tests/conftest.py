@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from encoder_server.default_model import write_default_model
+from testkit.default_model import write_default_model
 
 
 @pytest.fixture(scope="session")

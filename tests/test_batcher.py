@@ -14,11 +14,11 @@ from encoder_server.batcher import Batcher, BatchingConfig
 from encoder_server.images import decode_image
 from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
-from protos.errors import OverloadedError, TokenCountMismatchError, UnavailableError
+from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
 from receiver import EncoderReceiver, ShardError
 from receiver.channels import EncoderEndpoint
-from tests.gated_encoder import GatedEncoder
-from tests.support import image_bytes, running_server
+from testkit.gated_encoder import GatedEncoder
+from testkit.support import image_bytes, running_server
 
 
 @pytest.fixture(scope="module")

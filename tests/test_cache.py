@@ -17,9 +17,9 @@ from protos import encoder_pb2 as pb
 from protos import wire
 from receiver import EncoderReceiver
 from receiver.channels import EncoderEndpoint
-from tests.gated_encoder import GatedEncoder
+from testkit.gated_encoder import GatedEncoder
 from tests.test_batcher import eventually
-from tests.support import image_bytes, running_server
+from testkit.support import image_bytes, running_server
 
 NAMESPACE = hashlib.sha256(b"test-model").digest()
 

@@ -14,14 +14,14 @@ import pytest
 
 from encoder_server import cli
 from receiver import cli as client_cli
-from receiver import precompute
-from tests.support import REPO_ROOT
+from encoder_server import precompute
+from testkit.support import REPO_ROOT
 
 # command -> (module, parser builder, env prefix, arguments a valid command line needs)
 COMMANDS = {
     "encoder-server": ("encoder_server", cli.build_parser, "ENCODER_", []),  # --model: from ENCODER_MODEL below
     "encoder-client": ("receiver.cli", client_cli.build_parser, "ENCODER_CLIENT_", ["cat.png"]),
-    "encoder-precompute": ("receiver.precompute", precompute.build_parser, "ENCODER_PRECOMPUTE_", ["images/"]),
+    "encoder-precompute": ("encoder_server.precompute", precompute.build_parser, "ENCODER_PRECOMPUTE_", ["images/"]),
 }
 
 
@@ -137,7 +137,7 @@ def test_console_scripts_point_at_the_commands():
     assert scripts == {
         "encoder-server": "encoder_server.cli:main",
         "encoder-client": "receiver.cli:main",
-        "encoder-precompute": "receiver.precompute:main",
+        "encoder-precompute": "encoder_server.precompute:main",
     }
     for command, (module, build, _, _) in COMMANDS.items():
         assert build().prog == command

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from receiver import cli as client_cli
 from receiver import EncoderReceiver
-from tests.support import image_bytes, running_server
+from testkit.support import image_bytes, running_server
 
 
 @pytest.fixture(scope="module")

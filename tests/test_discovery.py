@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from protos.errors import UnavailableError
+from encoder_common.errors import UnavailableError
 from receiver import EncoderReceiver
 from receiver.discovery import DEFAULT_PORT, DnsName, EncoderDiscovery, address_url, parse_encoder_url, resolve_all
-from tests.support import image_bytes, running_server
+from testkit.support import image_bytes, running_server
 
 NAME = "encoder-headless.llm.svc.cluster.local"
 URL = f"dns:///{NAME}:50051"

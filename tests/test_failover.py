@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encoder_server.models import VisionEncoder, load_vision_encoder
 from protos import encoder_pb2 as pb
 from receiver import EncodeFailedError, EncoderReceiver, FailoverPolicy
-from tests.support import LaunchedServer, image_bytes, reference_features, running_server, server_process
+from testkit.support import LaunchedServer, image_bytes, reference_features, running_server, server_process
 
 SERVICE = "encoder.v1.EncoderService"
 
@@ -328,7 +328,7 @@ async def health_status(url: str) -> int:
 
 async def test_failed_warmup_never_serves(default_model_dir, tower):
     from encoder_server.server import EncoderServer
-    from tests.support import server_config
+    from testkit.support import server_config
 
     encoder = ControlledEncoder(tower)
     encoder.fail_with = RuntimeError("no device")

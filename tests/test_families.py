@@ -16,8 +16,8 @@ from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc
 from protos.wire import CHUNK_BYTES
 from receiver import EncoderReceiver, ShardError
-from tests.checkpoints import write_checkpoint
-from tests.support import image_bytes, reference_features, running_server
+from testkit.checkpoints import write_checkpoint
+from testkit.support import image_bytes, reference_features, running_server
 
 # case -> (family, builder options)
 CASES = {

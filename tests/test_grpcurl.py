@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO_ROOT, image_bytes, server_process
+from testkit.support import REPO_ROOT, image_bytes, server_process
 
 DOCS = [REPO_ROOT / "README.md"]
 DOC_ADDRESS = "localhost:50051"

@@ -23,7 +23,7 @@ from PIL import Image
 
 from protos import encoder_pb2 as pb
 from receiver import EncodeFailedError, EncoderReceiver, InvalidItemError, UnsupportedModalityError
-from tests.support import REPO_ROOT, image_bytes, running_server
+from testkit.support import REPO_ROOT, image_bytes, running_server
 
 MAX_PIXELS = 4096 * 4096
 MAX_ITEMS = 8

@@ -13,8 +13,8 @@ import torch
 
 from encoder_server.images import decode_image
 from encoder_server.models import CheckpointError, load_vision_encoder
-from tests.checkpoints import BUILDERS, rename_prefixes, rewrite_tensors, tensor_names, write_checkpoint
-from tests.support import REPO_ROOT, image_bytes, server_process
+from testkit.checkpoints import BUILDERS, rename_prefixes, rewrite_tensors, tensor_names, write_checkpoint
+from testkit.support import REPO_ROOT, image_bytes, server_process
 
 # The layouts real checkpoints of each family store, as renames of what transformers 5.x saves.
 OTHER_LAYOUTS = {

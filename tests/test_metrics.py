@@ -21,7 +21,7 @@ from encoder_server.metrics import CacheStats
 from encoder_server.models import VisionEncoder, load_vision_encoder
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver, ShardError
-from tests.support import image_bytes, running_server, server_process
+from testkit.support import image_bytes, running_server, server_process
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from receiver import EncoderReceiver, InvalidItemError
-from receiver.precompute import load_precomputed, main, precomputed_item
-from tests.rpc_log import logged_server
-from tests.support import REPO_ROOT, image_bytes
+from encoder_server.precompute import load_precomputed, main, precomputed_item
+from testkit.rpc_log import logged_server
+from testkit.support import REPO_ROOT, image_bytes
 
 
 def sha(data: bytes) -> str:
@@ -45,11 +45,11 @@ async def server(default_model_dir):
 
 
 async def run_command(*args: str) -> tuple[int, str, str]:
-    """`python -m receiver.precompute` in a child process, as a user runs it."""
+    """`python -m encoder_server.precompute` in a child process, as a user runs it."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "receiver.precompute",
+        "encoder_server.precompute",
         *args,
         cwd=REPO_ROOT,
         stdout=asyncio.subprocess.PIPE,

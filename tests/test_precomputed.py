@@ -8,8 +8,8 @@ import torch
 from protos import encoder_pb2 as pb
 from receiver import EncoderError, EncoderReceiver, InvalidItemError, UnsupportedModalityError
 from receiver.precomputed import precomputed_result
-from tests.rpc_log import logged_server
-from tests.support import image_bytes, running_server
+from testkit.rpc_log import logged_server
+from testkit.support import image_bytes, running_server
 
 IMAGES = [
     image_bytes(56 * (1 + i % 2), 56 * (1 + i // 2), seed=40 + i) for i in range(4)

@@ -15,7 +15,7 @@ from receiver import (
     batch_embedding,
     expand_placeholders,
 )
-from tests.support import image_bytes, running_server
+from testkit.support import image_bytes, running_server
 
 IMAGE_PAD = 151655  # Qwen2-VL's <|image_pad|>
 VISION_START, VISION_END = 151652, 151653

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_server.tls import TlsConfig
 from receiver import ClientTls, EncodeFailedError, EncoderReceiver
-from tests.support import image_bytes, running_server, server_process
+from testkit.support import image_bytes, running_server, server_process
 
 TOKEN = "s3cret-token-0123456789abcdef"
 

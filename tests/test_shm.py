@@ -34,7 +34,7 @@ from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
 from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
 from receiver.shm import Placement, ShmReceiver
-from tests.support import REPO_ROOT, FixedSizeEncoder, image_bytes, running_server, server_process
+from testkit.support import REPO_ROOT, FixedSizeEncoder, image_bytes, running_server, server_process
 
 # 600 tokens x 2048 bf16, plus one deepstack layer: 4.9 MB, over gRPC's 4 MiB message limit.
 NUM_TOKENS = 600

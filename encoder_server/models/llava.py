@@ -16,7 +16,7 @@ from PIL import Image
 from torch import nn
 from transformers import AutoModel, PretrainedConfig
 
-from protos.errors import TokenCountMismatchError
+from encoder_common.errors import TokenCountMismatchError
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from .loading import load_vision_module, settings_fingerprint

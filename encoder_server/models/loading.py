@@ -17,7 +17,16 @@ from safetensors import safe_open
 from torch import nn
 from transformers.initialization import no_init_weights
 
-from protos.errors import EncoderError
+from encoder_common.errors import EncoderError
+
+
+# A checkpoint directory holding this file has random weights (the built-in default model, test
+# checkpoints): the server logs a warning and reports it in GetModelInfo.
+RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS"
+
+
+def has_random_weights(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / RANDOM_WEIGHTS_MARKER).exists()
 
 
 class CheckpointError(EncoderError):

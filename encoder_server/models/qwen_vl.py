@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from transformers import PretrainedConfig
 
-from protos.errors import TokenCountMismatchError
+from encoder_common.errors import TokenCountMismatchError
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from .loading import CheckpointError, load_vision_module

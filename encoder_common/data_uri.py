@@ -6,7 +6,7 @@ import base64
 import binascii
 import urllib.parse
 
-from protos.errors import InvalidItemError
+from encoder_common.errors import InvalidItemError
 
 
 def decode_data_uri(uri: str) -> bytes:

@@ -19,7 +19,7 @@ def reference_features(model_dir: Path, images: list[bytes], dtype: torch.dtype 
     """
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    from ..images import decode_image
+    from encoder_server.images import decode_image
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype).eval()
     processor = AutoImageProcessor.from_pretrained(str(model_dir))

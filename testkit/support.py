@@ -14,8 +14,8 @@ from PIL import Image
 
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig
-from encoder_server.launcher import LaunchedServer, launch_server
-from encoder_server.models.reference import reference_features  # noqa: F401  (tests import it from here)
+from testkit.launcher import LaunchedServer, launch_server
+from testkit.reference import reference_features  # noqa: F401  (tests import it from here)
 from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from encoder_server.server import EncoderServer
 

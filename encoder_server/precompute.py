@@ -26,12 +26,12 @@ from tqdm import tqdm
 
 from protos import encoder_pb2 as pb
 from protos import wire
-from protos.env_flags import EnvDefaultsParser
-from protos.errors import EncoderError, InvalidItemError
+from encoder_common.env_flags import EnvDefaultsParser
+from encoder_common.errors import EncoderError, InvalidItemError
 
-from .client import EncoderReceiver
-from .errors import ShardError
-from .precomputed import DEEPSTACK_KEY, PRECOMPUTED_KEY
+from receiver.client import EncoderReceiver
+from receiver.errors import ShardError
+from receiver.precomputed import DEEPSTACK_KEY, PRECOMPUTED_KEY
 
 FORMAT = "encoder-precompute/1"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}

@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from protos.errors import InvalidItemError
+from encoder_common.errors import InvalidItemError
 
 
 def read_file_url(url: str, roots: Sequence[Path] | None, *, max_bytes: int | None = None) -> bytes:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS"
+from encoder_server.models.loading import RANDOM_WEIGHTS_MARKER
+
 DEFAULT_MODEL_DIR = Path("models/default-qwen2_5_vl")
 SEED = 0
 
@@ -70,7 +71,3 @@ def ensure_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR) -> Path:
     if not (out_dir / RANDOM_WEIGHTS_MARKER).exists():
         write_default_model(out_dir)
     return out_dir
-
-
-def has_random_weights(model_dir: str | Path) -> bool:
-    return (Path(model_dir) / RANDOM_WEIGHTS_MARKER).exists()

