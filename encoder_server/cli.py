@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-aspect-ratio", type=float, default=DEFAULT_MAX_ASPECT_RATIO, help="refuse images thinner than 1:N before decoding")
     p.add_argument("--allow-file-root", default=None, help="directory file:// item URLs may read from (default: file:// refused)")
     p.add_argument("--allow-http", action="store_true", help="fetch http(s):// item URLs (off: server-side request forgery)")
+    p.add_argument(
+        "--allow-private-hosts", action="store_true", help="let http(s) item URLs reach loopback, private and link-local addresses"
+    )
     p.add_argument("--max-fetch-bytes", type=int, default=32 << 20, help="largest file:// or http(s) item accepted")
     p.add_argument("--fetch-timeout-s", type=float, default=10.0, help="time limit of one http(s) item download")
     p.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve TLS (with --tls-key-file)")
@@ -49,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-transfer", action="store_true", help="hand payloads to receivers on this host through /dev/shm")
     p.add_argument("--shm-max-bytes", type=int, default=512 << 20, help="shared-memory segments held at most; beyond, items go as chunks")
     p.add_argument("--shm-release-timeout-s", type=float, default=30.0, help="take back a segment its receiver has not released by then")
+    p.add_argument(
+        "--no-sglang-service", action="store_true", help="do not serve SGLang's encoder contract (sglang.grpc.encoder) on the port"
+    )
+    p.add_argument("--sglang-push-timeout-s", type=float, default=30.0, help="time limit of one ZMQ push to an SGLang receiver")
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
@@ -107,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tls_client_ca_file and not args.tls_cert_file:
         raise SystemExit("encoder-server: --tls-client-ca-file needs --tls-cert-file and --tls-key-file")
     from .shm import ShmConfig
+    from .sglang.config import SglangConfig
 
     config = ServerConfig(
         model=args.model,
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         sources=SourcePolicy(
             file_root=args.allow_file_root,
             allow_http=bool(args.allow_http),
+            allow_private_hosts=bool(args.allow_private_hosts),
             max_fetch_bytes=int(args.max_fetch_bytes),
             fetch_timeout_s=float(args.fetch_timeout_s),
         ),
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         shm=ShmConfig(max_bytes=int(args.shm_max_bytes), release_timeout_s=float(args.shm_release_timeout_s))
         if args.shm_transfer
         else None,
+        sglang=None if args.no_sglang_service else SglangConfig(push_timeout_s=float(args.sglang_push_timeout_s)),
     )
     try:
         asyncio.run(serve(config))

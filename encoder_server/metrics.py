@@ -197,10 +197,12 @@ class RequestRecord:
         else:
             self._item_filled += len(part)
         if self._item is not None and self._item_filled == self._item.payload_bytes:
-            self._item_done(self._item, time.perf_counter() - self._item_started)
+            self.item_done(self._item, time.perf_counter() - self._item_started)
             self._item = None
 
-    def _item_done(self, header: pb.ItemHeader, stream_s: float) -> None:
+    def item_done(self, header: pb.ItemHeader, stream_s: float) -> None:
+        """Accounts one item fully delivered, `stream_s` after its delivery started (also called
+        directly by calls that deliver items otherwise than as Encode messages)."""
         timing = header.timing
         queue_s, preprocess_s, forward_s = timing.queue_ms / 1000, timing.preprocess_ms / 1000, timing.forward_ms / 1000
         stages = self.metrics.item_seconds

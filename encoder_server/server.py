@@ -25,6 +25,7 @@ from .interceptors import DrainGate
 from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
 from .servicer import EncoderServicer, method_handlers
+from .sglang import servicer as sglang_servicer
 from .shm import ShmSegments
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class EncoderServer:
         self._stopping = False
         self.shm: ShmSegments | None = None
         self.cache: EmbeddingCache | None = None
+        self.sglang: sglang_servicer.SglangEncoderServicer | None = None
 
     @property
     def address(self) -> str:
@@ -112,9 +114,12 @@ class EncoderServer:
             cache=self.cache,
         )
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
+        if config.sglang is not None:
+            self.sglang = sglang_servicer.SglangEncoderServicer(servicer, config.sglang)
+            self._server.add_generic_rpc_handlers([sglang_servicer.method_handlers(self.sglang)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (*self._services(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self._server,
         )
         bind = f"{_bind_host(config.host)}:{config.port}"
@@ -147,8 +152,12 @@ class EncoderServer:
         prepared = self.encoder.preprocess(Image.new("RGB", (64, 64), (127, 127, 127)))
         self.encoder.encode([prepared])
 
+    def _services(self) -> tuple[str, ...]:
+        """The encoding services served: encoder.v1, and SGLang's contract unless turned off."""
+        return (SERVICE_NAME,) + ((sglang_servicer.SERVICE_NAME,) if self.config.sglang is not None else ())
+
     async def _set_health(self, status: int) -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", *self._services()):
             await self.health.set(service, status)
 
     def _watch_forward_worker(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -177,6 +186,8 @@ class EncoderServer:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
         if self.shm is not None:
             await self.shm.stop()
+        if self.sglang is not None:
+            self.sglang.close()
         if self._batcher is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._batcher.stop)
         if self._pool is not None:

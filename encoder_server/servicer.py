@@ -7,7 +7,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 
 import grpc
@@ -144,15 +144,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     @recorded
     async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
         check_request(request, self.config)
-        # Refused at once, before any decoding, when the call's items would not fit beside those
-        # queued and those still being read or preprocessed: under overload refusals stay fast.
-        self.batcher.check_room(len(request.items) + self._preprocessing)
-        self._preprocessing += len(request.items)
-        # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
-        # as its bytes are read; the stream still sends them in request order.
-        tasks = [asyncio.ensure_future(self._item_payload(item)) for item in request.items]
-        for task in tasks:
-            task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
+        tasks = self.admit(request.items)
         shm = ShmCall(self.shm, request)
         try:
             for item, task in zip(request.items, tasks):
@@ -168,6 +160,22 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             for task in tasks:
                 task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
             shm.close()  # takes back the segments of a call cancelled, failed or out of time
+
+    def check_room(self, num_items: int) -> None:
+        """Refuses a call at once (OverloadedError) when `num_items` would not fit beside the items
+        queued and those still being read or preprocessed: under overload refusals stay fast."""
+        self.batcher.check_room(num_items + self._preprocessing)
+
+    def admit(self, items: Sequence[pb.ImageItem]) -> list[asyncio.Task]:
+        """Admits a call's items, or refuses them all (check_room), and starts each on its way: a
+        cache hit, another call's computation, or the batcher. Each task gives (ItemPayload, cache_hit);
+        the caller cancels those it no longer waits for."""
+        self.check_room(len(items))
+        self._preprocessing += len(items)
+        tasks = [asyncio.ensure_future(self._item_payload(item)) for item in items]
+        for task in tasks:
+            task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
+        return tasks
 
     async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool]:
         """An item's response and whether it came from the cache. Errors name the item."""

@@ -1,4 +1,4 @@
-"""Regenerates the Python code for encoder.proto: `python -m protos.generate [--check]`."""
+"""Regenerates the Python code for the .proto files in protos/: `python -m protos.generate [--check]`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ from importlib import resources
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROTO = "protos/encoder.proto"
-GENERATED = ("encoder_pb2.py", "encoder_pb2.pyi", "encoder_pb2_grpc.py")
+# encoder.proto is this project's contract; sglang_encoder.proto is SGLang's, served beside it.
+PROTOS = ("protos/encoder.proto", "protos/sglang_encoder.proto")
+GENERATED = tuple(
+    Path(proto).stem + suffix for proto in PROTOS for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+)
 
 
 def generate(out_dir: Path) -> None:
-    """Runs protoc on encoder.proto, writing protos/encoder_pb2*.py under out_dir."""
+    """Runs protoc on each .proto, writing protos/<name>_pb2*.py under out_dir."""
     from grpc_tools import protoc
 
     include = str(resources.files("grpc_tools") / "_proto")
@@ -26,10 +29,10 @@ def generate(out_dir: Path) -> None:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(REPO_ROOT / PROTO),
+        *(str(REPO_ROOT / proto) for proto in PROTOS),
     ]
     if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO}")
+        raise RuntimeError(f"protoc failed on {PROTOS}")
 
 
 def stale_files() -> list[str]:

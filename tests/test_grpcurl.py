@@ -85,7 +85,12 @@ def check_outputs(outputs: dict[str, str], cwd: Path) -> None:
         return unchecked.pop(matches[0])
 
     services = output(" list").split()
-    assert set(services) == {"encoder.v1.EncoderService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+    assert set(services) == {
+        "encoder.v1.EncoderService",
+        "sglang.grpc.encoder.SglangEncoder",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
     described = output("describe encoder.v1.EncoderService")
     assert "rpc Encode ( .encoder.v1.EncodeRequest ) returns ( stream .encoder.v1.EncodeResponse );" in described
     assert "rpc GetModelInfo" in described

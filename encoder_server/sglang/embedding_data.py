@@ -1,0 +1,119 @@
+"""The first ZMQ frame SGLang's receiver reads: a pickle that rebuilds SGLang's own `EmbeddingData`.
+
+Written opcode by opcode, without importing SGLang: the pickle names SGLang's classes by module
+and name (all on the allowlist of SGLang's `safe_pickle_loads`) and carries the object's state as
+a plain dict, exactly the attributes SGLang's encoder server sends for a part of a Qwen-VL request.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# The SGLang release whose receiver this format is written for; tests/test_sglang.py unpickles it
+# with that release's own code.
+SGLANG_VERSION = "0.5.23"
+
+EMBEDDING_DATA_CLASS = ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData")
+MODALITY_CLASS = ("sglang.srt.multimodal.modality", "Modality")
+MODALITY_IMAGE = 1  # Modality.IMAGE = auto()
+
+_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+# HTTP status codes in error_code, as SGLang's encoder sets them (its gRPC servicer maps 400 to
+# INVALID_ARGUMENT and anything else to INTERNAL).
+HTTP_BAD_REQUEST = 400
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartMeta:
+    """What SGLang's receiver needs of one encoded part: its place, item grids, and tensor layout."""
+
+    req_id: str
+    num_parts: int
+    part_idx: int
+    grid_thw: Sequence[Sequence[int]] | None = None  # one [t, h, w] per item of the part
+    dtype: torch.dtype | None = None
+    shape: Sequence[int] | None = None  # [tokens, width] of the part's tensor (frame 1)
+    error_msg: str | None = None
+    error_code: int | None = None
+
+
+def embedding_data_pickle(meta: PartMeta) -> bytes:
+    """Pickle bytes that SGLang's `safe_pickle_loads` turns into its `EmbeddingData` for `meta`.
+
+    The attributes are those of `EmbeddingData.copy_without_embedding()` on SGLang's encoder
+    (Qwen-VL's video metadata included, as None), in the same order.
+    """
+    state: list[tuple[str, object]] = [
+        ("req_id", meta.req_id),
+        ("num_parts", meta.num_parts),
+        ("part_idx", meta.part_idx),
+        ("grid_dim", None if meta.grid_thw is None else [[int(v) for v in grid] for grid in meta.grid_thw]),
+        ("modality", _Modality(MODALITY_IMAGE)),
+        ("embedding", None),
+        ("send_time", None),
+        ("dtype", None if meta.dtype is None else _TorchDtype(meta.dtype)),
+        ("shape", None if meta.shape is None else [int(v) for v in meta.shape]),
+        ("_mr_ptr", None),
+        ("error_msg", meta.error_msg),
+        ("error_code", None if meta.error_code is None else int(meta.error_code)),
+        ("video_timestamps", None),
+        ("second_per_grid_ts", None),
+    ]
+    out = bytearray(b"\x80\x02")  # PROTO 2
+    out += _global(*EMBEDDING_DATA_CLASS) + b")\x81"  # cls.__new__(cls): EMPTY_TUPLE, NEWOBJ
+    out += b"}("  # EMPTY_DICT, MARK
+    for key, value in state:
+        _write(out, key)
+        _write(out, value)
+    out += b"ub."  # SETITEMS, BUILD (instance __dict__ from the dict), STOP
+    return bytes(out)
+
+
+@dataclass(frozen=True)
+class _Modality:
+    value: int
+
+
+@dataclass(frozen=True)
+class _TorchDtype:
+    dtype: torch.dtype
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _write(out: bytearray, value: object) -> None:
+    if value is None:
+        out += b"N"
+    elif isinstance(value, bool):
+        out += b"\x88" if value else b"\x89"
+    elif isinstance(value, int):
+        if -(2**31) <= value < 2**31:
+            out += b"J" + struct.pack("<i", value)  # BININT
+        else:
+            raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+            out += b"\x8a" + bytes([len(raw)]) + raw  # LONG1
+    elif isinstance(value, str):
+        raw = value.encode("utf-8", "surrogatepass")
+        out += b"X" + struct.pack("<I", len(raw)) + raw  # BINUNICODE
+    elif isinstance(value, list):
+        out += b"]"  # EMPTY_LIST
+        if value:
+            out += b"("
+            for element in value:
+                _write(out, element)
+            out += b"e"  # APPENDS
+    elif isinstance(value, _Modality):  # an Enum member pickles as Modality(value)
+        out += _global(*MODALITY_CLASS)
+        _write(out, value.value)
+        out += b"\x85R"  # TUPLE1, REDUCE
+    elif isinstance(value, _TorchDtype):  # a torch.dtype pickles as the module global torch.<name>
+        out += _global("torch", _TORCH_DTYPE_NAMES[value.dtype])
+    else:
+        raise TypeError(f"cannot write {type(value).__name__} into an EmbeddingData pickle")
