@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-sglang-service", action="store_true", help="do not serve SGLang's encoder contract (sglang.grpc.encoder) on the port"
     )
+    p.add_argument(
+        "--sglang-connect-timeout-s", type=float, default=3.0, help="give up a ZMQ push when the SGLang receiver's socket does not connect by then"
+    )
     p.add_argument("--sglang-push-timeout-s", type=float, default=30.0, help="time limit of one ZMQ push to an SGLang receiver")
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
@@ -153,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         shm=ShmConfig(max_bytes=int(args.shm_max_bytes), release_timeout_s=float(args.shm_release_timeout_s))
         if args.shm_transfer
         else None,
-        sglang=None if args.no_sglang_service else SglangConfig(push_timeout_s=float(args.sglang_push_timeout_s)),
+        sglang=None if args.no_sglang_service else SglangConfig(
+            connect_timeout_s=float(args.sglang_connect_timeout_s), push_timeout_s=float(args.sglang_push_timeout_s)
+        ),
     )
     try:
         asyncio.run(serve(config))

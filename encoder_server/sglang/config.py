@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class SglangConfig:
-    push_timeout_s: float = 30.0  # one ZMQ push: connecting to the receiver and handing over the bytes
+    # A ZMQ push first waits for a connection to the receiver's socket (the receiver binds it
+    # before calling Encode, so this is short: a receiver that gave up must not hold a call long),
+    # then for its bytes to be handed over.
+    connect_timeout_s: float = 3.0
+    push_timeout_s: float = 30.0
     # zmq_to_scheduler: how long an Encode waits for its SchedulerReceiveUrl registrations, and how
     # long registrations whose Encode never comes are kept.
     receive_url_timeout_s: float = 60.0

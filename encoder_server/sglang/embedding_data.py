@@ -45,8 +45,9 @@ class PartMeta:
 def embedding_data_pickle(meta: PartMeta) -> bytes:
     """Pickle bytes that SGLang's `safe_pickle_loads` turns into its `EmbeddingData` for `meta`.
 
-    The attributes are those of `EmbeddingData.copy_without_embedding()` on SGLang's encoder
-    (Qwen-VL's video metadata included, as None), in the same order.
+    The attributes are those of `EmbeddingData.copy_without_embedding()` on SGLang's encoder, in
+    the same order: for an embedding, with Qwen-VL's video metadata (None for images); for an
+    error, as its `_stage_errors` builds it.
     """
     state: list[tuple[str, object]] = [
         ("req_id", meta.req_id),
@@ -61,9 +62,9 @@ def embedding_data_pickle(meta: PartMeta) -> bytes:
         ("_mr_ptr", None),
         ("error_msg", meta.error_msg),
         ("error_code", None if meta.error_code is None else int(meta.error_code)),
-        ("video_timestamps", None),
-        ("second_per_grid_ts", None),
     ]
+    if meta.error_msg is None:  # SGLang's encoder adds Qwen-VL's video metadata to embeddings only
+        state += [("video_timestamps", None), ("second_per_grid_ts", None)]
     out = bytearray(b"\x80\x02")  # PROTO 2
     out += _global(*EMBEDDING_DATA_CLASS) + b")\x81"  # cls.__new__(cls): EMPTY_TUPLE, NEWOBJ
     out += b"}("  # EMPTY_DICT, MARK

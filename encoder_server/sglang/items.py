@@ -3,7 +3,8 @@
 SGLang's own encoder (`load_image` in sglang.srt.utils.common) takes an item string as an
 http(s):// URL, a file:// URL, a path (absolute, or any string ending in an image extension), a
 data: URI, or else raw base64. The same forms are accepted here, but URLs and paths go through
-encoder_server.sources: http(s) only where enabled, files only under the allowed root.
+encoder_server.sources: http(s) only where enabled, files only under the allowed root, and only
+absolute paths.
 """
 
 from __future__ import annotations
@@ -33,22 +34,30 @@ def read_item(item: str, policy: SourcePolicy) -> bytes:
             raise UnsupportedModalityError([media_type.split("/", 1)[0]])
     if lowered.startswith(_URL_SCHEMES):
         data = item_bytes(pb.ImageItem(url=item), policy)
-    elif item.startswith("/") or item.lower().endswith(IMAGE_EXTENSIONS):
+    elif (data := _base64(item)) is None or item.lower().endswith(IMAGE_EXTENSIONS):
         path = pathlib.PurePosixPath(item)
         if not path.is_absolute():
-            raise InvalidItemError(f"relative path {_shown(item)!r}: only absolute paths name files")
-        data = item_bytes(pb.ImageItem(url=pathlib.Path(path).as_uri()), policy)
-    else:
-        try:
-            data = base64.b64decode(item, validate=True)
-        except (binascii.Error, ValueError):
             raise InvalidItemError(
                 f"{_shown(item)!r} is neither a URL, a data: URI, an absolute path nor base64"
-            ) from None
+            )
+        data = item_bytes(pb.ImageItem(url=pathlib.Path(path).as_uri()), policy)
     modality = sniff_non_image(data)
     if modality is not None:
         raise UnsupportedModalityError([modality])
     return data
+
+
+def _base64(item: str) -> bytes | None:
+    """The bytes of a raw base64 item, or None when it is not valid base64 (then it may be a path).
+
+    Raw base64 is tried before a path because a JPEG's base64 starts with "/9j/", which SGLang's
+    loader would take for a path; a path with no dot, a length that is a multiple of 4 and only
+    base64 characters is taken for base64 and then fails as "not an image".
+    """
+    try:
+        return base64.b64decode(item, validate=True)
+    except (binascii.Error, ValueError):
+        return None
 
 
 # ISO base media files (MP4, MOV, 3GP) whose brand is a still-image format: HEIF/AVIF images.

@@ -15,7 +15,6 @@ import ipaddress
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import grpc
@@ -53,6 +52,9 @@ _HTTP_CODES = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.CANCELLED: 499,
 }
+# Telling a receiver about a failure waits at most this long (a receiver that is gone must not hold
+# the call's status back for the whole push timeout).
+ERROR_PUSH_TIMEOUT_S = 5.0
 SEND_UNIMPLEMENTED = (
     "Send (Mooncake RDMA transfer) is not served by this encoder server: run SGLang with "
     "--encoder-transfer-backend zmq_to_tokenizer or zmq_to_scheduler (SGLang's gRPC receiver "
@@ -141,12 +143,11 @@ class _Part:
 class SglangEncoderServicer:
     """Serves SGLang's contract on top of a native EncoderServicer (same model, cache, batcher, metrics)."""
 
-    def __init__(self, native: EncoderServicer, config: SglangConfig, push_pool: Executor | None = None):
+    def __init__(self, native: EncoderServicer, config: SglangConfig):
         self.native = native
         self.config = config
         self.receive_urls = ReceiveUrls(config.receive_url_timeout_s, config.max_pending_registrations)
         self._zmq = zmq.Context()
-        self._push_pool = push_pool  # None: the event loop's default executor
         self._background: set[asyncio.Future] = set()
 
     def close(self) -> None:
@@ -200,7 +201,7 @@ class SglangEncoderServicer:
                 await asyncio.gather(*(self._push(endpoint, [part.meta, part.tensor]) for endpoint in endpoints))
                 push_s = time.perf_counter() - started
             except BaseException as exc:
-                self._push_error_later(request, endpoints, exc)
+                await self._tell_failure(request, endpoints, exc)
                 raise
             finally:
                 self.receive_urls.forget(request.req_id)
@@ -231,23 +232,26 @@ class SglangEncoderServicer:
                 task.cancel()  # no-op for finished ones; the rest leave the queue
         return _join(request, [payload for payload, _ in results])
 
-    async def _push(self, endpoint: str, frames: list[bytes]) -> None:
+    async def _push(self, endpoint: str, frames: list[bytes], timeout_s: float | None = None) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._push_pool, self._push_blocking, endpoint, frames)
+        timeout_s = self.config.push_timeout_s if timeout_s is None else timeout_s
+        await loop.run_in_executor(None, self._push_blocking, endpoint, frames, timeout_s)
 
-    def _push_blocking(self, endpoint: str, frames: list[bytes]) -> None:
-        timeout_s = self.config.push_timeout_s
+    def _push_blocking(self, endpoint: str, frames: list[bytes], timeout_s: float) -> None:
         sock = self._zmq.socket(zmq.PUSH)
         # IMMEDIATE: nothing is queued for a receiver that is not there; the send times out instead.
         sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        connect_timeout_s = min(timeout_s, self.config.connect_timeout_s)
+        sock.setsockopt(zmq.SNDTIMEO, int(connect_timeout_s * 1000))
         sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
         try:
             sock.connect(endpoint)
             tracker = sock.send_multipart(frames, copy=False, track=True)
             tracker.wait(timeout_s)  # the bytes are handed to the connection
         except zmq.Again:
-            raise DeliveryError(f"no SGLang receiver took the embedding at {endpoint} within {timeout_s:g} s") from None
+            raise DeliveryError(
+                f"no SGLang receiver listening at {endpoint} (no connection within {connect_timeout_s:g} s)"
+            ) from None
         except zmq.NotDone:
             raise DeliveryError(f"pushing the embedding to {endpoint} took over {timeout_s:g} s") from None
         except zmq.ZMQError as exc:
@@ -255,14 +259,16 @@ class SglangEncoderServicer:
         finally:
             sock.close()
 
-    def _push_error_later(self, request: sglang_pb.EncodeRequest, endpoints: Sequence[str], exc: BaseException) -> None:
-        """Tells the receiver the part failed, in the background: the call may be cancelled already."""
+    async def _tell_failure(self, request: sglang_pb.EncodeRequest, endpoints: Sequence[str], exc: BaseException) -> None:
+        """Pushes SGLang's error shape to the part's receiver(s), so the request fails there at once
+        instead of waiting for its timeout. Before the call's status goes out, unless the call was
+        cancelled (its deadline passed): then in the background."""
         if isinstance(exc, DeliveryError):
             return  # the receiver is what failed
-        if not endpoints:
+        if not endpoints:  # zmq_to_scheduler: whichever ranks have registered
             endpoints = [_endpoint_of_url(url) for url in self.receive_urls.registered(request.req_id)]
-            if not endpoints:
-                return
+        if not endpoints:
+            return
         if isinstance(exc, asyncio.CancelledError):
             message, code = f"the encode call for {request.req_id!r} was cancelled or ran out of time", 504
         elif isinstance(exc, EncoderError):
@@ -278,15 +284,19 @@ class SglangEncoderServicer:
                 error_code=code,
             )
         )
-        for endpoint in endpoints:
-            push = asyncio.ensure_future(self._push(endpoint, [meta]))
-            self._background.add(push)
-            push.add_done_callback(self._pushed_error)
+        timeout_s = min(self.config.push_timeout_s, ERROR_PUSH_TIMEOUT_S)
+        pushes = asyncio.gather(*(self._push(endpoint, [meta], timeout_s) for endpoint in endpoints))
+        pushes.add_done_callback(_log_failed_error_push)
+        if isinstance(exc, asyncio.CancelledError):
+            self._background.add(pushes)
+            pushes.add_done_callback(self._background.discard)
+        else:
+            await asyncio.wait([pushes])
 
-    def _pushed_error(self, push: asyncio.Future) -> None:
-        self._background.discard(push)
-        if not push.cancelled() and push.exception() is not None:
-            log.warning("could not tell an SGLang receiver about a failed part: %s", push.exception())
+
+def _log_failed_error_push(pushes: asyncio.Future) -> None:
+    if not pushes.cancelled() and pushes.exception() is not None:
+        log.warning("could not tell an SGLang receiver about a failed part: %s", pushes.exception())
 
 
 async def _parse(message_class, raw: bytes, context: grpc.aio.ServicerContext):
