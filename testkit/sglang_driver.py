@@ -67,6 +67,8 @@ def main(plan_path: str, out_dir: str) -> None:
     from sglang.srt.server_args import ServerArgs
 
     plan = json.loads(Path(plan_path).read_text())
+    for scenario in plan["scenarios"]:
+        scenario["items"] = [_VIDEO_ITEMS[item]() if item in _VIDEO_ITEMS else item for item in scenario["items"]]
     urls = sorted({url for scenario in plan["scenarios"] for url in scenario.get("urls", [])})
     args = ServerArgs(
         model_path=plan["model_dir"],
@@ -182,6 +184,35 @@ def main(plan_path: str, out_dir: str) -> None:
     out = Path(out_dir)
     save_file(tensors, str(out / "tensors.safetensors"))
     (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def mp4_bytes() -> bytes:
+    """A real MP4 file (three 32x32 frames, MPEG-4 part 2), written by OpenCV."""
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "clip.mp4")
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 5, (32, 32))
+        for shade in (0, 100, 200):
+            writer.write(np.full((32, 32, 3), shade, np.uint8))
+        writer.release()
+        return Path(path).read_bytes()
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()
+
+
+# Placeholders a plan may use for a video item, made here because .venv has no video writer.
+_VIDEO_ITEMS = {
+    "$MP4_DATA_URI": lambda: "data:video/mp4;base64," + _b64(mp4_bytes()),
+    "$MP4_BASE64": lambda: _b64(mp4_bytes()),
+}
 
 
 class _SchedulerRequest:
