@@ -1,0 +1,192 @@
+"""SGLang's encoder contract on our server, without SGLang: the service beside encoder.v1, its
+refusals and statuses, item strings under the source policy, and where parts are pushed.
+
+tests/test_sglang.py drives the same server with SGLang's own receiver code (engine tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import grpc
+import pytest
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from encoder_common.errors import InvalidItemError, UnsupportedModalityError
+from encoder_server.sglang.items import read_item, sniff_non_image
+from encoder_server.sglang.servicer import SEND_UNIMPLEMENTED, SERVICE_NAME
+from encoder_server.sources import SourcePolicy
+from protos import sglang_encoder_pb2 as sglang_pb
+from protos import sglang_encoder_pb2_grpc as sglang_grpc
+from testkit.support import image_bytes, running_server
+
+
+@pytest.fixture(scope="module")
+async def server(default_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-files")
+    async with running_server(default_model_dir, sources=SourcePolicy(file_root=str(root))) as server:
+        server.file_root = root  # type: ignore[attr-defined]
+        yield server
+
+
+@pytest.fixture
+async def stub(server):
+    async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
+        yield sglang_grpc.SglangEncoderStub(channel)
+
+
+@pytest.fixture
+async def pull():
+    """A receiver's PULL socket on loopback and its port."""
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.PULL)
+    yield socket, socket.bind_to_random_port("tcp://127.0.0.1")
+    socket.close(linger=0)
+    context.term()
+
+
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+async def services(address: str) -> set[str]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        async for response in responses:
+            return {service.name for service in response.list_services_response.service}
+    return set()
+
+
+async def test_both_services_on_one_port_and_a_flag_turns_sglangs_off(server, default_model_dir):
+    address = server.url.removeprefix("grpc://")
+    assert {"encoder.v1.EncoderService", SERVICE_NAME} <= await services(address)
+    async with grpc.aio.insecure_channel(address) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    async with running_server(default_model_dir, sglang=None) as plain:
+        plain_address = plain.url.removeprefix("grpc://")
+        assert SERVICE_NAME not in await services(plain_address)
+        async with grpc.aio.insecure_channel(plain_address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await sglang_grpc.SglangEncoderStub(channel).Send(sglang_pb.SendRequest())
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_send_says_which_backend_works(stub):
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Send(sglang_pb.SendRequest(req_id="r"))
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert refused.value.details() == SEND_UNIMPLEMENTED and "zmq_to_tokenizer" in SEND_UNIMPLEMENTED
+
+
+async def test_a_part_is_pushed_as_two_frames_and_the_response_describes_it(stub, pull, server):
+    socket, port = pull
+    items = [data_uri(image_bytes(64, 48, seed=1)), base64.b64encode(image_bytes(40, 40, seed=2, fmt="JPEG")).decode()]
+    path = server.file_root / "third.png"
+    path.write_bytes(image_bytes(56, 56, seed=3))
+    items.append(str(path))
+    request = sglang_pb.EncodeRequest(
+        mm_items=items, req_id="r-1", num_parts=2, part_idx=1, prefill_host="127.0.0.1", embedding_port=[port]
+    )
+    response = await stub.Encode(request)
+    meta, tensor = await asyncio.wait_for(socket.recv_multipart(), 10)
+    assert response.embedding_dim == 2048 and response.embedding_len > 0
+    assert len(tensor) == response.embedding_size == response.embedding_len * 2048 * 4  # float32 rows
+    assert b"sglang.srt.disaggregation.encoder.receiver\nEmbeddingData" in meta and b"r-1" in meta
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(req_id=""), "missing req_id"),
+        (dict(mm_items=[]), "missing or empty mm_items"),
+        (dict(num_parts=0, part_idx=0), "num_parts must be a positive integer"),
+        (dict(num_parts=2, part_idx=2), "part_idx must be in [0, 2)"),
+        (dict(prefill_host="host/path"), "is not a host and port"),
+    ],
+)
+async def test_malformed_encode_requests_are_invalid_argument(stub, pull, change, message):
+    fields = dict(mm_items=[data_uri(image_bytes(8, 8))], req_id="r", num_parts=1, part_idx=0)
+    fields |= dict(prefill_host="127.0.0.1", embedding_port=[pull[1]]) | change
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Encode(sglang_pb.EncodeRequest(**fields))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in refused.value.details()
+
+
+async def test_a_receiver_that_is_not_listening_fails_the_call_within_the_connect_timeout(stub):
+    with zmq.Context() as context:  # a port nobody listens on: bound, then closed
+        probe = context.socket(zmq.PULL)
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.close(linger=0)
+    started = time.monotonic()
+    request = sglang_pb.EncodeRequest(
+        mm_items=[data_uri(image_bytes(8, 8))], req_id="gone", num_parts=1, part_idx=0, prefill_host="127.0.0.1", embedding_port=[port]
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await stub.Encode(request)
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert f"no SGLang receiver listening at tcp://127.0.0.1:{port}" in failed.value.details()
+    assert time.monotonic() - started < 15  # the 3 s connect timeout, not the 30 s push timeout
+
+
+async def test_zmq_to_scheduler_waits_for_every_rank_then_pushes_to_each(stub):
+    context = zmq.asyncio.Context()
+    ranks = [context.socket(zmq.PULL) for _ in range(2)]
+    ports = [rank.bind_to_random_port("tcp://127.0.0.1") for rank in ranks]
+    try:
+        encode = asyncio.ensure_future(
+            stub.Encode(sglang_pb.EncodeRequest(mm_items=[data_uri(image_bytes(30, 30))], req_id="s", num_parts=1, part_idx=0))
+        )
+        await stub.SchedulerReceiveUrl(sglang_pb.SchedulerReceiveUrlRequest(req_id="s", receive_url=f"127.0.0.1:{ports[0]}", receive_count=2))
+        # One rank of two has registered: nothing is pushed yet, and the call waits.
+        assert await ranks[0].poll(300) == 0 and not encode.done()
+        with pytest.raises(grpc.aio.AioRpcError) as mismatch:
+            await stub.SchedulerReceiveUrl(sglang_pb.SchedulerReceiveUrlRequest(req_id="s", receive_url="127.0.0.1:9", receive_count=3))
+        assert mismatch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await stub.SchedulerReceiveUrl(sglang_pb.SchedulerReceiveUrlRequest(req_id="s", receive_url=f"127.0.0.1:{ports[1]}", receive_count=2))
+        response = await asyncio.wait_for(encode, 30)
+        frames = [await asyncio.wait_for(rank.recv_multipart(), 10) for rank in ranks]
+        assert frames[0] == frames[1] and len(frames[0][1]) == response.embedding_size
+    finally:
+        for rank in ranks:
+            rank.close(linger=0)
+        context.term()
+
+
+def test_item_strings_as_sglang_takes_them_under_the_source_policy(tmp_path):
+    png = image_bytes(10, 10)
+    jpeg = image_bytes(10, 10, fmt="JPEG")
+    (tmp_path / "a.png").write_bytes(png)
+    files = SourcePolicy(file_root=str(tmp_path))
+    assert read_item(data_uri(png), SourcePolicy()) == png
+    assert read_item(base64.b64encode(jpeg).decode(), SourcePolicy()) == jpeg  # starts with "/9j/"
+    assert read_item(str(tmp_path / "a.png"), files) == png
+    assert read_item((tmp_path / "a.png").as_uri(), files) == png
+    refusals = [
+        (str(tmp_path / "a.png"), SourcePolicy(), "file:// URLs are disabled"),
+        ("/etc/passwd.png", files, "outside the allowed directories"),
+        ("a.png", files, "neither a URL, a data: URI, an absolute path nor base64"),
+        ("http://127.0.0.1:9/a.png", SourcePolicy(), "http:// URLs are disabled"),
+        ("http://127.0.0.1:9/a.png", SourcePolicy(allow_http=True), "non-public address 127.0.0.1"),
+        ("http://[::1]:9/a.png", SourcePolicy(allow_http=True), "non-public address ::1"),
+    ]
+    for item, policy, message in refusals:
+        with pytest.raises(InvalidItemError, match=message.replace("(", r"\(").replace(".", r"\.")):
+            read_item(item, policy)
+
+
+def test_video_and_audio_items_are_refused_as_such():
+    mp4_head = b"\x00\x00\x00\x1cftypisom\x00\x00\x02\x00isomiso2mp41"
+    with pytest.raises(UnsupportedModalityError, match=r"got: \['video'\]"):
+        read_item("data:video/mp4;base64,AAAA", SourcePolicy())
+    with pytest.raises(UnsupportedModalityError, match=r"got: \['video'\]"):
+        read_item(base64.b64encode(mp4_head).decode(), SourcePolicy())
+    assert sniff_non_image(b"RIFF\0\0\0\0WAVEfmt ") == "audio"
+    assert sniff_non_image(b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00") is None  # an AVIF image
+    assert sniff_non_image(image_bytes(8, 8)) is None
