@@ -17,9 +17,9 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from encoder_common.errors import InvalidItemError, UnsupportedModalityError
+from encoder_common.errors import DeadlineExceededError, InvalidItemError, OverloadedError, UnsupportedModalityError
 from encoder_server.sglang.items import read_item, sniff_non_image
-from encoder_server.sglang.servicer import SEND_UNIMPLEMENTED, SERVICE_NAME
+from encoder_server.sglang.servicer import SEND_UNIMPLEMENTED, SERVICE_NAME, ReceiveUrls
 from encoder_server.sources import SourcePolicy
 from protos import sglang_encoder_pb2 as sglang_pb
 from protos import sglang_encoder_pb2_grpc as sglang_grpc
@@ -157,6 +157,26 @@ async def test_zmq_to_scheduler_waits_for_every_rank_then_pushes_to_each(stub):
         for rank in ranks:
             rank.close(linger=0)
         context.term()
+
+
+async def test_receive_urls_registered_before_or_after_the_encode_that_waits_for_them():
+    urls = ReceiveUrls(keep_s=60, max_pending=2)
+    urls.register("early", "127.0.0.1:1", 1)
+    assert await urls.wait("early", 1) == ["127.0.0.1:1"]
+    waiting = asyncio.ensure_future(urls.wait("late", 5))
+    await asyncio.sleep(0)
+    urls.register("late", "127.0.0.1:2", 2)
+    urls.register("late", "127.0.0.1:2", 2)  # a repeated registration counts once
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    urls.register("late", "[::1]:3", 2)
+    assert await waiting == ["127.0.0.1:2", "[::1]:3"]
+    with pytest.raises(InvalidItemError, match="already has its 2 receive URLs"):
+        urls.register("late", "127.0.0.1:4", 2)
+    with pytest.raises(OverloadedError):
+        urls.register("third", "127.0.0.1:5", 1)
+    with pytest.raises(DeadlineExceededError, match=r"0 of \? receive URLs registered for 'nobody'"):
+        await urls.wait("nobody", 0.05)
 
 
 def test_item_strings_as_sglang_takes_them_under_the_source_policy(tmp_path):

@@ -50,7 +50,6 @@ _HTTP_CODES = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.CANCELLED: 499,
 }
 # Telling a receiver about a failure waits at most this long (a receiver that is gone must not hold
 # the call's status back for the whole push timeout).
@@ -90,6 +89,8 @@ class ReceiveUrls:
             if len(self._registrations) >= self.max_pending:
                 raise OverloadedError(f"{len(self._registrations)} registrations are waiting for their Encode")
             registration = self._registrations[req_id] = _Registration(receive_count)
+        if not registration.receive_count:  # its Encode came first and is waiting
+            registration.receive_count = receive_count
         if registration.receive_count != receive_count:
             raise InvalidItemError(
                 f"receive_count {receive_count} differs from the {registration.receive_count} registered for {req_id!r}"
