@@ -187,7 +187,7 @@ class EncoderServer:
         if self.shm is not None:
             await self.shm.stop()
         if self.sglang is not None:
-            self.sglang.close()
+            await asyncio.get_running_loop().run_in_executor(None, self.sglang.close)
         if self._batcher is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._batcher.stop)
         if self._pool is not None:

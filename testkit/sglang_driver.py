@@ -25,9 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
-
 
 class RecordingProcessor:
     """Takes the place of the prompt-expanding multimodal processor: keeps what SGLang's receiver
@@ -46,9 +43,11 @@ class _Assembled:
         self.input_ids = [0]
 
 
-class LogCapture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
+class LogLines(logging.Handler):
+    """Keeps the messages of the records it handles (the driver's and the test's log checks)."""
+
+    def __init__(self, level: int):
+        super().__init__(level)
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -56,6 +55,8 @@ class LogCapture(logging.Handler):
 
 
 def main(plan_path: str, out_dir: str) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # all traffic on loopback
     import torch
     from safetensors.torch import save_file
 
@@ -80,7 +81,7 @@ def main(plan_path: str, out_dir: str) -> None:
         device="cpu",
     )
     publish(args, role="tokenizer")
-    capture = LogCapture()
+    capture = LogLines(logging.WARNING)
     logging.getLogger(sglang_receiver.__name__).addHandler(capture)
 
     results: dict = {"sglang_version": sglang.__version__, "checks": checks(), "scenarios": {}}

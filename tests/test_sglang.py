@@ -33,6 +33,7 @@ from protos import sglang_encoder_pb2 as sglang_pb
 from receiver import EncoderReceiver
 from testkit import gated_encoder
 from testkit.gated_encoder import GatedEncoder
+from testkit.sglang_driver import LogLines
 from testkit.support import REPO_ROOT, image_bytes, reference_features, running_server
 
 pytestmark = pytest.mark.engine
@@ -91,15 +92,6 @@ async def overloaded(server, gated: GatedEncoder):
         await channel.close()
 
 
-class LogLines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.fixture(scope="module")
 async def sglang_run(default_model_dir, tmp_path_factory):
     if not ENGINE_PYTHON.exists():
@@ -108,7 +100,7 @@ async def sglang_run(default_model_dir, tmp_path_factory):
     images = [image_bytes(w, h, seed=i, fmt="JPEG" if i % 3 == 1 else "PNG") for i, (w, h) in enumerate(SIZES)]
     items = sglang_items(images, tmp)
     files = SourcePolicy(file_root=str(tmp))
-    log_lines = LogLines()
+    log_lines = LogLines(logging.INFO)
     metrics_log = logging.getLogger("encoder_server.metrics")
     metrics_log.addHandler(log_lines)
     log_level = metrics_log.level

@@ -152,6 +152,7 @@ class SglangEncoderServicer:
         self._background: set[asyncio.Future] = set()
 
     def close(self) -> None:
+        """Ends the ZMQ context once the pushes still running have finished (blocks: call it off the loop)."""
         self._zmq.term()
 
     async def Encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -184,8 +185,8 @@ class SglangEncoderServicer:
     async def _encode_and_push(
         self, request: sglang_pb.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> sglang_pb.EncodeResponse:
-        """One part, accounted like a native Encode call: encoded, then pushed to its receiver(s);
-        on any failure (the call's cancellation included) the receiver is told in the background."""
+        """One part, accounted like a native Encode call: encoded, then pushed to its receiver(s). On
+        any failure, the call's cancellation included, the receiver is told (see _tell_failure)."""
         with self.native.metrics.record(request.req_id, len(request.mm_items), context) as record:
             endpoints: list[str] = []
             try:
