@@ -39,7 +39,7 @@ from testkit.support import REPO_ROOT, image_bytes, reference_features, running_
 pytestmark = pytest.mark.engine
 
 ENGINE_PYTHON = REPO_ROOT / ".venv-engines" / "bin" / "python"
-SIZES = [(64, 48), (200, 150), (90, 120), (32, 32), (128, 96)]
+SIZES = [(64, 48), (640, 480), (90, 120), (32, 32), (896, 672)]  # up to 768 tokens: multi-MiB frames
 # Far below what SGLang would otherwise wait: its gRPC timeout (60 s) and receive timeout (180 s).
 PROMPT_S = 20.0
 
