@@ -12,17 +12,22 @@ import time
 
 import grpc
 import pytest
+import torch
 import zmq
 import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from encoder_common.errors import DeadlineExceededError, InvalidItemError, OverloadedError, UnsupportedModalityError
+from encoder_server.models import load_vision_encoder
 from encoder_server.sglang.items import read_item, sniff_non_image
 from encoder_server.sglang.servicer import SEND_UNIMPLEMENTED, SERVICE_NAME, ReceiveUrls
 from encoder_server.sources import SourcePolicy
+from protos import encoder_pb2 as pb
+from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb
 from protos import sglang_encoder_pb2_grpc as sglang_grpc
+from testkit.gated_encoder import GatedEncoder
 from testkit.support import image_bytes, running_server
 
 
@@ -157,6 +162,46 @@ async def test_zmq_to_scheduler_waits_for_every_rank_then_pushes_to_each(stub):
         for rank in ranks:
             rank.close(linger=0)
         context.term()
+
+
+async def test_sglang_and_native_calls_share_forwards_and_the_cache(default_model_dir, pull):
+    """Items of SGLang calls go through the native path: one batcher, one embedding cache."""
+    socket, port = pull
+    gated = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    async with running_server(default_model_dir, encoder=gated) as server:
+        async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
+            native, sglang = pb_grpc.EncoderServiceStub(channel), sglang_grpc.SglangEncoderStub(channel)
+
+            async def native_call(data: bytes) -> None:
+                item = pb.ImageItem(index=0, modality=pb.IMAGE, data=data)
+                async for _ in native.Encode(pb.EncodeRequest(request_id="native", items=[item])):
+                    pass
+
+            def sglang_call(data: bytes, req_id: str):
+                return sglang.Encode(
+                    sglang_pb.EncodeRequest(
+                        mm_items=[data_uri(data)], req_id=req_id, num_parts=1, part_idx=0,
+                        prefill_host="127.0.0.1", embedding_port=[port],
+                    )
+                )  # fmt: skip
+
+            gated.reset()  # the warm-up forward
+            gated.hold()
+            first = asyncio.ensure_future(native_call(image_bytes(30, 30, seed=1)))
+            while not gated.in_forward.is_set():
+                await asyncio.sleep(0.01)
+            calls = [asyncio.ensure_future(native_call(image_bytes(40, 40, seed=2))), sglang_call(image_bytes(50, 50, seed=3), "s1")]
+            while server._batcher.queue_depth < 2:
+                await asyncio.sleep(0.01)
+            gated.release()
+            await asyncio.gather(first, *calls)
+            assert gated.batches == [1, 2]  # the SGLang item rode in the native call's forward
+            await socket.recv_multipart()
+            # The same image again, through the other contract: a cache hit, no forward.
+            await native_call(image_bytes(50, 50, seed=3))
+            await sglang_call(image_bytes(40, 40, seed=2), "s2")
+            assert gated.batches == [1, 2]
+            assert server.cache.hits == 2
 
 
 async def test_receive_urls_registered_before_or_after_the_encode_that_waits_for_them():
