@@ -28,7 +28,7 @@ from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb
 from protos import sglang_encoder_pb2_grpc as sglang_grpc
 from testkit.gated_encoder import GatedEncoder
-from testkit.support import image_bytes, running_server
+from testkit.support import FixedSizeEncoder, image_bytes, running_server
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +104,28 @@ async def test_a_part_is_pushed_as_two_frames_and_the_response_describes_it(stub
     assert response.embedding_dim == 2048 and response.embedding_len > 0
     assert len(tensor) == response.embedding_size == response.embedding_len * 2048 * 4  # float32 rows
     assert b"sglang.srt.disaggregation.encoder.receiver\nEmbeddingData" in meta and b"r-1" in meta
+
+
+async def test_deepstack_layers_go_beside_the_embedding_as_sglang_splits_them(default_model_dir, pull):
+    """Qwen3-VL: SGLang's model takes the first hidden_size columns as the embedding and the rest
+    as the deepstack layers in order, so a part's rows are [embedding | layer 0 | layer 1]."""
+    socket, port = pull
+    encoder = FixedSizeEncoder(num_tokens=3, hidden_size=8, dtype=torch.float32, num_deepstack_layers=2)
+    async with running_server(default_model_dir, encoder=encoder) as server:
+        async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
+            request = sglang_pb.EncodeRequest(
+                mm_items=[data_uri(image_bytes(20, 20)), data_uri(image_bytes(30, 20))],
+                req_id="ds", num_parts=1, part_idx=0, prefill_host="127.0.0.1", embedding_port=[port],
+            )  # fmt: skip
+            response = await sglang_grpc.SglangEncoderStub(channel).Encode(request)
+    _, tensor = await socket.recv_multipart()
+    assert (response.embedding_len, response.embedding_dim) == (6, 24)
+    rows = torch.frombuffer(bytearray(tensor), dtype=torch.float32).view(6, 24)
+    expected = []
+    for width in (20, 30):
+        output = encoder.output(width)
+        expected.append(torch.cat([output.embedding, *output.deepstack], dim=1))
+    assert torch.equal(rows, torch.cat(expected))
 
 
 @pytest.mark.parametrize(
