@@ -92,12 +92,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import asyncio
 
-    import torch
-
     from protos.wire import DTYPE_NAMES
 
     from .batcher import BatchingConfig
-    from .config import ServerConfig
+    from .config import ServerConfig, default_device
     from .server import serve
     from .sources import SourcePolicy
     from .tls import TlsConfig
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model,
         host=args.host,
         port=int(args.port),
-        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        device=args.device or default_device(),
         dtype=DTYPE_NAMES[args.dtype],
         batching=BatchingConfig(
             max_batch_images=int(args.max_batch_images),

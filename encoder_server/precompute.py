@@ -351,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace) -> Summary:
     files = collect_images(args.paths)
     if args.model:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        from .config import default_device
+
+        device = args.device or default_device()
         backend: ServerBackend | InProcessBackend = await asyncio.to_thread(
             InProcessBackend, args.model, device, wire.DTYPE_NAMES[args.dtype]
         )

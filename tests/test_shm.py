@@ -20,16 +20,8 @@ from encoder_server.batcher import BatchingConfig
 from encoder_server.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
 from protos import wire
-from protos.shm import (
-    SERVER_KIND,
-    SHM_DIR,
-    create_locked,
-    item_proof,
-    new_instance,
-    random_name,
-    segment_header,
-    sweep_stale,
-)
+from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
+from protos.shm import SERVER_KIND, item_proof, new_instance, random_name, segment_header
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
 from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
@@ -52,7 +44,7 @@ def items(n: int, first_width: int = 8) -> list[dict]:
 
 
 def files_of(instance: str) -> list[str]:
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(instance + "."))
+    return sorted(name for name in os.listdir(shm_dir()) if name.startswith(instance + "."))
 
 
 def segments_of(instance: str) -> list[str]:
@@ -154,11 +146,11 @@ async def test_no_segment_left_after_normal_use_and_nothing_after_stop(default_m
             for n in (1, 4):
                 await rx.encode(f"n{n}", items(n))
             probe = rx._shm.probe
-            assert probe in os.listdir(SHM_DIR)
+            assert probe in os.listdir(shm_dir())
             assert segments_of(instance) == [] and server.shm.outstanding() == []
             assert server.shm.stats.released == 5
             assert any(".pool." in name for name in files_of(instance))  # kept warm for reuse
-        assert probe not in os.listdir(SHM_DIR)
+        assert probe not in os.listdir(shm_dir())
     assert files_of(instance) == []
 
 
@@ -227,14 +219,14 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
     endpoint = EncoderEndpoint.connect(shm_server.url)
     request = offer_request("private", shm, 3)
     assert shm._token not in request.SerializeToString()  # the offer names the probe, never the token
-    assert stat.S_IMODE(os.stat(SHM_DIR / shm.probe).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(shm_dir() / shm.probe).st_mode) == 0o600
     try:
         headers = [message async for message in endpoint.encode(request, timeout=30)]
         names = [header.shm.segment for header in headers]
         instance = shm_server.shm.instance
         assert len(set(names)) == 3
         for name in names:
-            path = SHM_DIR / name
+            path = shm_dir() / name
             st = os.stat(path)
             assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
             random_part = name.removeprefix(f"{instance}.seg.")
@@ -255,7 +247,7 @@ async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
     try:
         call = endpoint.encode(offer_request("cancel", shm, 3), timeout=30)
         first = await call.read()  # the next item is still in its forward
-        assert first.shm.segment in os.listdir(SHM_DIR)
+        assert first.shm.segment in os.listdir(shm_dir())
         before = slow_server.shm.stats.reclaimed_cancel
         call.cancel()
         assert await wait_until(lambda: segments_of(slow_server.shm.instance) == [])
@@ -273,7 +265,7 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
         # 4 items take 2 s at least; the first comes after 0.5 s (1 s behind a forward left running).
         call = endpoint.encode(offer_request("deadline", shm, 4), timeout=1.5)
         first = await call.read()
-        assert first.shm.segment in os.listdir(SHM_DIR)
+        assert first.shm.segment in os.listdir(shm_dir())
         before = server.shm.stats.reclaimed_cancel
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             while await call.read() is not grpc.aio.EOF:  # headers only: nobody reads their segments
@@ -340,7 +332,7 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
                 lines.append(line.decode().split())
             segments = [name for kind, name in lines if kind == "segment"]
             probe = lines[-1][1]
-            assert all(name in os.listdir(SHM_DIR) for name in [*segments, probe])
+            assert all(name in os.listdir(shm_dir()) for name in [*segments, probe])
             child.send_signal(signal.SIGKILL)
             await child.wait()
         finally:
@@ -348,7 +340,7 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
                 child.kill()
                 await child.wait()
         # The cut call's segment goes at once, the whole call's after 1 s, the probe at the next sweep.
-        gone = lambda: not set([*segments, probe]) & set(os.listdir(SHM_DIR))  # noqa: E731
+        gone = lambda: not set([*segments, probe]) & set(os.listdir(shm_dir()))  # noqa: E731
         assert await wait_until(gone, timeout=15)
         stats = server.shm.stats
         assert stats.reclaimed_timeout >= 1 and stats.reclaimed_cancel >= 1
@@ -427,7 +419,7 @@ class TestRefusal:
         written.CopyFrom(header)
         for key, value in segment_fields.items():
             setattr(written, key, value)
-        path = SHM_DIR / name
+        path = shm_dir() / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         os.fchmod(fd, mode)
         os.write(fd, segment_header(written, proof) + payload)
@@ -549,3 +541,30 @@ async def test_small_payloads_go_as_chunks(default_model_dir):
             assert rx.transfer_stats.fallbacks == {"small_item": 2}
         assert server.shm.stats.items == 0 and server.shm.pool_bytes == 0
     assert torch.equal(result.items[1].embedding, tiny.output(9).embedding)
+
+
+def leave_a_dead_instance(directory) -> set[str]:
+    """Files of an encoder process that died: what a sweep removes."""
+    dead = new_instance(SERVER_KIND)
+    os.close(create_locked(directory / f"{dead}.lock"))
+    (directory / random_name(dead, "seg")).write_bytes(b"x")
+    return set(os.listdir(directory))
+
+
+async def test_a_receiver_touches_shared_memory_only_when_a_call_can_use_it(
+    plain_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("ENCODER_SHM_DIR", str(tmp_path))  # read when a receiver is made, not at import
+    left = leave_a_dead_instance(tmp_path)
+    async with EncoderReceiver([plain_server.url], transfer="grpc") as rx:
+        await rx.encode("grpc", items(1))
+        assert rx._shm is None and set(os.listdir(tmp_path)) == left
+    remote = "grpc://192.0.2.1:50051"  # TEST-NET-1: an address of no machine here
+    async with EncoderReceiver([remote]) as rx:
+        assert rx._shm.offer(remote) is None  # "auto" offers nothing to another machine
+        assert set(os.listdir(tmp_path)) == left
+    async with EncoderReceiver([plain_server.url]) as rx:
+        assert set(os.listdir(tmp_path)) == left  # "auto": nothing swept, no probe, until a call
+        await rx.encode("auto", items(1))  # loopback: the encoder could share this host
+        assert set(os.listdir(tmp_path)) == {rx._shm.probe}  # the dead instance swept, the probe made
+    assert os.listdir(tmp_path) == []
