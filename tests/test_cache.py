@@ -10,7 +10,8 @@ import grpc
 import pytest
 import torch
 
-from encoder_server.cache import EmbeddingCache, ItemPayload, cache_namespace
+from encoder_server.cache import EmbeddingCache, cache_namespace
+from encoder_server.payload import ItemPayload
 from encoder_server.cli import build_parser
 from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
