@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from testkit.default_model import ensure_default_model
 from protos.wire import DTYPE_NAMES
 from receiver import EncoderReceiver, batch_embedding, window_rows
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 
 def median_ms(samples: list[float]) -> float:

@@ -16,7 +16,7 @@ import yaml
 
 from encoder_server import cli
 from encoder_server.server import SERVICE_NAME
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 MANIFEST = REPO_ROOT / "deploy" / "encoder.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from testkit.support import REPO_ROOT, image_bytes, server_process
+from testkit import REPO_ROOT
+from testkit.images import image_bytes
+from testkit.launcher import launch_server
 
 DOCS = [REPO_ROOT / "README.md"]
 DOC_ADDRESS = "localhost:50051"
@@ -51,7 +53,7 @@ def json_messages(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
-    with server_process(default_model_dir, log_dir=tmp_path_factory.mktemp("grpcurl-server")) as process:
+    with launch_server(default_model_dir, log_dir=tmp_path_factory.mktemp("grpcurl-server")) as process:
         yield process
 
 

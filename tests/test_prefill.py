@@ -15,7 +15,8 @@ from receiver import (
     batch_embedding,
     expand_placeholders,
 )
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 IMAGE_PAD = 151655  # Qwen2-VL's <|image_pad|>
 VISION_START, VISION_END = 151652, 151653

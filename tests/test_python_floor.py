@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tomllib
 
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 CHECKED = ["protos", "encoder_common", "encoder_server", "receiver", "testkit", "scripts", "tests"]
 

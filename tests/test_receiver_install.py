@@ -7,7 +7,9 @@ import asyncio
 import json
 import sys
 
-from testkit.support import REPO_ROOT, image_bytes, running_server
+from testkit import REPO_ROOT
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 # Runs in a child interpreter whose import system refuses the server extra's packages.
 RECEIVER_ONLY = r"""

@@ -26,7 +26,11 @@ from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
 from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
 from receiver.shm import Placement, ShmReceiver
-from testkit.support import REPO_ROOT, FixedSizeEncoder, image_bytes, running_server, server_process
+from testkit import REPO_ROOT
+from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
+from testkit.launcher import launch_server
+from testkit.servers import running_server
 
 # 600 tokens x 2048 bf16, plus one deepstack layer: 4.9 MB, over gRPC's 4 MiB message limit.
 NUM_TOKENS = 600
@@ -34,8 +38,8 @@ ITEM_BYTES = 2 * NUM_TOKENS * 2048 * 2
 NOBODY = 65534
 
 
-def fixed_encoder(**kwargs) -> FixedSizeEncoder:
-    return FixedSizeEncoder(NUM_TOKENS, num_deepstack_layers=1, **kwargs)
+def fixed_encoder(**kwargs) -> EncoderDouble:
+    return EncoderDouble(tokens=NUM_TOKENS, num_deepstack_layers=1, **kwargs)
 
 
 def items(n: int, first_width: int = 8) -> list[dict]:
@@ -367,12 +371,12 @@ async def test_server_sigkill_leaves_files_that_receivers_and_the_next_server_re
         assert f"{instance}.lock" in left and header.shm.segment in left and any(".pool." in n for n in left)
         return instance
 
-    with server_process(default_model_dir, "--shm-transfer", log_dir=tmp_path) as first:
+    with launch_server(default_model_dir, "--shm-transfer", log_dir=tmp_path) as first:
         dead = await leave_segment_behind(first)
     ShmReceiver(strict=True).close()  # a receiver starting up removes a dead server's files
     assert files_of(dead) == []
 
-    with server_process(default_model_dir, "--shm-transfer", log_dir=tmp_path) as second:
+    with launch_server(default_model_dir, "--shm-transfer", log_dir=tmp_path) as second:
         dead = await leave_segment_behind(second)
     async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig()):
         assert files_of(dead) == []  # the next server's start removed them
@@ -534,7 +538,7 @@ async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers
 
 
 async def test_small_payloads_go_as_chunks(default_model_dir):
-    tiny = FixedSizeEncoder(4, num_deepstack_layers=0)  # 16 KiB
+    tiny = EncoderDouble(tokens=4)  # 16 KiB
     async with running_server(default_model_dir, encoder=tiny, shm=ShmConfig()) as server:
         async with EncoderReceiver([server.url], transfer="shm") as rx:  # proven, so no error
             result = await rx.encode("tiny", items(2))
