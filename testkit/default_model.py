@@ -17,6 +17,8 @@ from testkit.checkpoints import mark_random_weights, qwen_processor
 
 DEFAULT_MODEL_DIR = Path("models/default-qwen2_5_vl")
 SEED = 0
+# Special token ids of the tiny vocabulary, shared by the language model's config and the VLM's.
+SPECIAL_TOKENS = dict(bos_token_id=1004, eos_token_id=1005, pad_token_id=1006)
 
 
 def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size: int = 2048) -> Path:
@@ -41,18 +43,14 @@ def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size:
             num_attention_heads=16,
             num_key_value_heads=2,
             vocab_size=1024,
-            bos_token_id=1004,
-            eos_token_id=1005,
-            pad_token_id=1006,
+            **SPECIAL_TOKENS,
             rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6},
         ),
         image_token_id=1000,
         video_token_id=1001,
         vision_start_token_id=1002,
         vision_end_token_id=1003,
-        bos_token_id=1004,
-        eos_token_id=1005,
-        pad_token_id=1006,
+        **SPECIAL_TOKENS,
     )
     torch.manual_seed(SEED)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16).eval()
