@@ -27,8 +27,8 @@ class EncoderDouble(VisionEncoder):
       made once per width and reused like cache hits;
     - `tokens="pixels"`: an image of w x h pixels gives w*h rows of one fixed table (`max_tokens` rows).
 
-    Switches: `hold()` / `release()` a gate that forwards wait at (`in_forward` is set while one waits
-    or runs), `forward_s` makes each forward take that long, `fail_with` is raised by every forward,
+    Switches: `hold()` / `release()` a gate that forwards wait at (`release(forwards=n)` lets n more
+    through; `in_forward` is set while one waits or runs), `forward_s` makes each forward take that long, `fail_with` is raised by every forward,
     `miscount_width` makes preprocessing announce one token too many for images of that width.
     Counts: `preprocessed`, `batches` (each forward's batch size), `items_forwarded`.
     """
@@ -55,8 +55,8 @@ class EncoderDouble(VisionEncoder):
         self.preprocessed = 0
         self.batches: list[int] = []  # size of each forward's batch, in order
         self.in_forward = threading.Event()
-        self._gate = threading.Event()
-        self._gate.set()
+        self._gate = threading.Condition()
+        self._passes: int | None = None  # forwards the gate lets through; None: open
         self._lock = threading.Lock()
         self._outputs: dict[int, ImageEmbedding] = {}
         if inner is not None:
@@ -82,10 +82,14 @@ class EncoderDouble(VisionEncoder):
 
     def hold(self) -> None:
         """Forwards from now on wait at the gate until `release`."""
-        self._gate.clear()
+        with self._gate:
+            self._passes = 0
 
-    def release(self) -> None:
-        self._gate.set()
+    def release(self, forwards: int | None = None) -> None:
+        """Opens the gate; or, given `forwards`, lets that many more forwards through it."""
+        with self._gate:
+            self._passes = None if forwards is None else (self._passes or 0) + forwards
+            self._gate.notify_all()
 
     def reset(self) -> None:
         with self._lock:
@@ -105,8 +109,11 @@ class EncoderDouble(VisionEncoder):
         try:
             if self.fail_with is not None:
                 raise self.fail_with
-            if not self._gate.wait(GATE_TIMEOUT_S):
-                raise TimeoutError("the test never released the gate")
+            with self._gate:
+                if not self._gate.wait_for(lambda: self._passes is None or self._passes > 0, GATE_TIMEOUT_S):
+                    raise TimeoutError("the test never released the gate")
+                if self._passes is not None:
+                    self._passes -= 1
             if self.forward_s:
                 time.sleep(self.forward_s)
             with self._lock:

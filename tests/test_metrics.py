@@ -118,7 +118,8 @@ async def test_queue_depth_in_flight_and_a_deadline_while_the_forward_is_busy(de
             await wait_for(lambda: value(scrape(server.metrics_port), "encoder_queue_items") == 2, "2 queued items")
             assert value(scrape(server.metrics_port), "encoder_requests_in_flight") == 1
             with pytest.raises(ShardError) as raised:
-                await rx.encode("late", [{"data": image_bytes(28, 28, seed=9)}], timeout=0.3)
+                # Long enough to reach the server on a loaded machine; the held forward makes it expire there.
+                await rx.encode("late", [{"data": image_bytes(28, 28, seed=9)}], timeout=3.0)
             assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             encoder.release()
             assert len((await call).items) == 3

@@ -93,11 +93,13 @@ async def shm_server(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-async def slow_server(default_model_dir):
-    """Half a second per item, one item per forward: calls are still running when a test cuts them off."""
-    slow = fixed_encoder(forward_s=0.5)
+async def gated_server(default_model_dir):
+    """One item per forward, behind the double's gate: a test lets the first item through and holds
+    the rest, so the call is still running when the test cuts it off."""
+    gated = fixed_encoder()
     batching = BatchingConfig(max_batch_images=1)
-    async with running_server(default_model_dir, encoder=slow, shm=ShmConfig(), batching=batching) as server:
+    async with running_server(default_model_dir, encoder=gated, shm=ShmConfig(), batching=batching) as server:
+        server.double = gated  # type: ignore[attr-defined]
         yield server
 
 
@@ -245,29 +247,33 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
         shm.close()
 
 
-async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
+async def test_segments_are_taken_back_when_the_client_cancels(gated_server):
     shm = ShmReceiver(strict=True)
-    endpoint = EncoderEndpoint.connect(slow_server.url)
+    endpoint = EncoderEndpoint.connect(gated_server.url)
+    gated_server.double.hold()
+    gated_server.double.release(forwards=1)
     try:
         call = endpoint.encode(offer_request("cancel", shm, 3), timeout=30)
-        first = await call.read()  # the next item is still in its forward
+        first = await call.read()  # the next item waits at the gate
         assert first.shm.segment in os.listdir(shm_dir())
-        before = slow_server.shm.stats.reclaimed_cancel
+        before = gated_server.shm.stats.reclaimed_cancel
         call.cancel()
-        assert await wait_until(lambda: segments_of(slow_server.shm.instance) == [])
-        assert slow_server.shm.stats.reclaimed_cancel - before >= 1 and slow_server.shm.outstanding() == []
+        assert await wait_until(lambda: segments_of(gated_server.shm.instance) == [])
+        assert gated_server.shm.stats.reclaimed_cancel - before >= 1 and gated_server.shm.outstanding() == []
     finally:
+        gated_server.double.release()
         await endpoint.close()
         shm.close()
 
 
-async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
-    server = slow_server
+async def test_segments_are_taken_back_when_the_deadline_passes(gated_server):
+    server = gated_server
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(server.url)
+    server.double.hold()
+    server.double.release(forwards=1)  # the first item, and then nothing until the deadline has passed
     try:
-        # 4 items take 2 s at least; the first comes after 0.5 s (1 s behind a forward left running).
-        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=1.5)
+        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=3.0)
         first = await call.read()
         assert first.shm.segment in os.listdir(shm_dir())
         before = server.shm.stats.reclaimed_cancel
@@ -277,14 +283,16 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert await wait_until(lambda: segments_of(server.shm.instance) == [])
         assert server.shm.stats.reclaimed_cancel - before >= 1
+        async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
+            server.double.release(forwards=2)  # the first call's item left at the gate, and one more
+            with pytest.raises(ShardError) as raised:
+                await rx.encode("deadline", items(4), timeout=3.0)
+        assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
     finally:
+        server.double.release()
         await endpoint.close()
         shm.close()
-    async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
-        with pytest.raises(ShardError) as raised:
-            await rx.encode("deadline", items(4), timeout=1.5)
-    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
 
 
 RECEIVER_SCRIPT = """
