@@ -3,9 +3,9 @@ README stays a short front door, and the text points at nothing outside the repo
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
-import sys
 import urllib.parse
 from pathlib import Path
 
@@ -13,8 +13,9 @@ import pytest
 
 from testkit.support import REPO_ROOT
 
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import gen_cli_reference  # noqa: E402
+_spec = importlib.util.spec_from_file_location("gen_cli_reference", REPO_ROOT / "scripts" / "gen_cli_reference.py")
+gen_cli_reference = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gen_cli_reference)
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
