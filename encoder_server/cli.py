@@ -66,7 +66,7 @@ def port_or_off(value: str) -> int | None:
 def tune_malloc() -> None:
     """Keeps glibc from mmapping (and page-faulting) every fresh buffer of 32 MiB or more.
 
-    Measured on a 2-core x86-64 VM: this gave 1.3-3x on large gRPC payloads. mallopt applies in-process, so no
+    Measured on a 2-core x86-64 VM: large gRPC payloads moved 1.3-3x faster with these thresholds. mallopt applies in-process, so no
     environment variable has to be set before the interpreter starts.
     """
     libc_name = ctypes.util.find_library("c")
