@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PAGE = REPO_ROOT / "docs" / "cli-reference.md"
 
 # What encoder_common.env_flags appends to every option's help.
-_ENV_SUFFIX = re.compile(r"\s*\[env (?P<env>[A-Z0-9_]+); default: [^\]]*\]\s*$")
+_ENV_SUFFIX = re.compile(r"\s*\[env (?P<env>[A-Z0-9_]+); default: .*\]\s*$", re.S)
 
 HEADER = """\
 # CLI reference
@@ -56,8 +56,16 @@ def environment_without(names: set[str]) -> Iterator[None]:
 
 
 def env_and_help(action: argparse.Action) -> tuple[str | None, str]:
-    """The environment variable named in the option's help, and the help without that suffix."""
-    text = (action.help or "").replace("%%", "%")
+    """The environment variable named in the option's help, and the help without that suffix, with
+    argparse's %(default)s-style fields filled in as --help fills them."""
+    text = action.help or ""
+    params = dict(vars(action))
+    if action.choices is not None:
+        params["choices"] = ", ".join(map(str, action.choices))
+    try:
+        text = text % params
+    except (KeyError, TypeError, ValueError):
+        pass  # not a format string: shown as written
     match = _ENV_SUFFIX.search(text)
     if match is None:
         return None, text.strip()
@@ -83,6 +91,8 @@ def default_text(action: argparse.Action) -> str:
         return "required"
     if action.default is None:
         return "—"
+    if action.default == "":
+        return '`""`'
     return f"`{action.default}`"
 
 
