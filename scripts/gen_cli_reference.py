@@ -158,17 +158,18 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the committed page is out of date; write nothing")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date; write nothing")
+    parser.add_argument("--out", type=Path, default=PAGE, help="the page (default: docs/cli-reference.md)")
     args = parser.parse_args(argv)
     page = render()
     if args.check:
-        if not PAGE.exists() or PAGE.read_text() != page:
-            print(f"{PAGE.relative_to(REPO_ROOT)} is out of date: run python scripts/gen_cli_reference.py", file=sys.stderr)
+        if not args.out.exists() or args.out.read_text() != page:
+            print(f"{args.out} is out of date: run python scripts/gen_cli_reference.py", file=sys.stderr)
             return 1
         return 0
-    PAGE.parent.mkdir(exist_ok=True)
-    PAGE.write_text(page)
-    print(f"wrote {PAGE.relative_to(REPO_ROOT)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(page)
+    print(f"wrote {args.out}")
     return 0
 
 
