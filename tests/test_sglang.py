@@ -31,10 +31,12 @@ from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb
 from receiver import EncoderReceiver
-from testkit import gated_encoder
-from testkit.gated_encoder import GatedEncoder
+from testkit import REPO_ROOT, encoders
+from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
+from testkit.reference import reference_features
+from testkit.servers import running_server
 from testkit.sglang_driver import LogLines
-from testkit.support import REPO_ROOT, image_bytes, reference_features, running_server
 
 pytestmark = pytest.mark.engine
 
@@ -67,7 +69,7 @@ def expected_grids(model_dir: Path, images: list[bytes]) -> torch.Tensor:
 
 
 @contextlib.asynccontextmanager
-async def overloaded(server, gated: GatedEncoder):
+async def overloaded(server, gated: EncoderDouble):
     """Holds the server's forward and fills its one-item queue with native Encode calls."""
     gated.hold()
     channel = grpc.aio.insecure_channel(server.url.removeprefix("grpc://"))
@@ -106,9 +108,9 @@ async def sglang_run(default_model_dir, tmp_path_factory):
     log_level = metrics_log.level
     metrics_log.setLevel(logging.INFO)
     # The gates hold forwards for the whole driver run, which includes SGLang's slow import.
-    gate_timeout, gated_encoder.GATE_TIMEOUT_S = gated_encoder.GATE_TIMEOUT_S, 600.0
-    gated_full = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
-    gated_slow = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    gate_timeout, encoders.GATE_TIMEOUT_S = encoders.GATE_TIMEOUT_S, 600.0
+    gated_full = EncoderDouble(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    gated_slow = EncoderDouble(load_vision_encoder(default_model_dir, "cpu", torch.float32))
     async with contextlib.AsyncExitStack() as stack:
         start = lambda **kw: stack.enter_async_context(running_server(default_model_dir, sources=files, **kw))  # noqa: E731
         a32, b32 = await start(), await start()
@@ -169,7 +171,7 @@ async def sglang_run(default_model_dir, tmp_path_factory):
         )
     metrics_log.removeHandler(log_lines)
     metrics_log.setLevel(log_level)
-    gated_encoder.GATE_TIMEOUT_S = gate_timeout
+    encoders.GATE_TIMEOUT_S = gate_timeout
 
 
 def assembled(run, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,9 @@ from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb
 from protos import sglang_encoder_pb2_grpc as sglang_grpc
-from testkit.gated_encoder import GatedEncoder
-from testkit.support import FixedSizeEncoder, image_bytes, running_server
+from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ async def test_deepstack_layers_go_beside_the_embedding_as_sglang_splits_them(de
     """Qwen3-VL: SGLang's model takes the first hidden_size columns as the embedding and the rest
     as the deepstack layers in order, so a part's rows are [embedding | layer 0 | layer 1]."""
     socket, port = pull
-    encoder = FixedSizeEncoder(num_tokens=3, hidden_size=8, dtype=torch.float32, num_deepstack_layers=2)
+    encoder = EncoderDouble(tokens=3, hidden_size=8, dtype=torch.float32, num_deepstack_layers=2)
     async with running_server(default_model_dir, encoder=encoder) as server:
         async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
             request = sglang_pb.EncodeRequest(
@@ -189,7 +190,7 @@ async def test_zmq_to_scheduler_waits_for_every_rank_then_pushes_to_each(stub):
 async def test_sglang_and_native_calls_share_forwards_and_the_cache(default_model_dir, pull):
     """Items of SGLang calls go through the native path: one batcher, one embedding cache."""
     socket, port = pull
-    gated = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    gated = EncoderDouble(load_vision_encoder(default_model_dir, "cpu", torch.float32))
     async with running_server(default_model_dir, encoder=gated) as server:
         async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
             native, sglang = pb_grpc.EncoderServiceStub(channel), sglang_grpc.SglangEncoderStub(channel)

@@ -34,7 +34,7 @@ from protos import encoder_pb2 as pb
 from protos import sglang_encoder_pb2 as sglang_pb
 from protos import wire
 
-from ..cache import ItemPayload
+from ..payload import ItemPayload
 from ..servicer import EncoderServicer
 from .config import SglangConfig
 from .embedding_data import HTTP_BAD_REQUEST, PartMeta, embedding_data_pickle
