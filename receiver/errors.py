@@ -13,6 +13,7 @@ from encoder_common.errors import (
     EncoderError,
     InvalidItemError,
     OverloadedError,
+    PermissionDeniedError,
     UnauthenticatedError,
     UnavailableError,
     UnsupportedModalityError,
@@ -43,8 +44,9 @@ class ShardError(EncoderError):
 
     @property
     def cause_class(self) -> type[EncoderError]:
-        """The error class the status stands for (OverloadedError for RESOURCE_EXHAUSTED, ...)."""
-        return error_class_for(self.code) if self.code is not None else EncoderError
+        """The error class the status stands for (OverloadedError for RESOURCE_EXHAUSTED, ...); its
+        `failover` says what the receiver does about it. A stream that broke the contract is an EncoderError."""
+        return error_class_for(self.code, self.message) if self.code is not None else EncoderError
 
     @property
     def status(self) -> str:
@@ -111,6 +113,7 @@ __all__ = [
     "ItemAttempt",
     "InvalidItemError",
     "OverloadedError",
+    "PermissionDeniedError",
     "ShardError",
     "UnauthenticatedError",
     "UnavailableError",
