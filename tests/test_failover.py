@@ -11,7 +11,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encoder_server.models import VisionEncoder, load_vision_encoder
 from protos import encoder_pb2 as pb
 from receiver import EncodeFailedError, EncoderReceiver, FailoverPolicy
+from testkit.fault_proxy import fault_proxy
 from testkit.support import LaunchedServer, image_bytes, reference_features, running_server, server_process
 
 SERVICE = "encoder.v1.EncoderService"
@@ -41,37 +42,6 @@ def processes(model_dir: Path, count: int, *flags: str, log_dir: Path) -> Iterat
         yield [future.result() for future in entered]
 
 
-class FaultAfter:
-    """An Encode call that runs `fault` once `after` messages have come through: the fault lands
-    at a known point of the stream instead of at a guessed time."""
-
-    def __init__(self, call, after: int, fault: Callable[[], None]):
-        self._call, self._after, self._fault = call, after, fault
-
-    def cancel(self) -> bool:
-        return self._call.cancel()
-
-    async def __aiter__(self):
-        seen = 0
-        async for message in self._call:
-            yield message
-            seen += 1
-            if seen == self._after:
-                self._fault()
-
-
-def inject(rx: EncoderReceiver, url: str, after: int, fault: Callable[[], None]) -> None:
-    """Makes the receiver's next Encode call to `url` suffer `fault` after `after` messages."""
-    endpoint = next(e for e in rx.endpoints if e.url == url)
-    original = endpoint.encode
-
-    def encode(request, **kwargs):
-        endpoint.encode = original  # once
-        return FaultAfter(original(request, **kwargs), after, fault)
-
-    endpoint.encode = encode
-
-
 def assert_matches(result, images: list[bytes], reference: dict[bytes, torch.Tensor]) -> None:
     assert [item.index for item in result.items] == list(range(len(images)))
     for item, data in zip(result.items, images):
@@ -84,6 +54,7 @@ def references(model_dir: Path, images: list[bytes]) -> dict[bytes, torch.Tensor
 
 
 # 448x448 -> 256 tokens x 2048 x fp32 = 2 MiB per item: two chunks, so a fault can land mid-item.
+ITEM_BYTES = 256 * 2048 * 4
 BIG = [image_bytes(448, 448, seed=i) for i in range(12)]
 
 
@@ -114,37 +85,49 @@ def healthy(proc: LaunchedServer) -> bool:
     return proc.process.poll() is None
 
 
+# Cut the victim's stream here: item 0 whole, item 1 half-way, nothing of items 2 and 3. Counted in
+# bytes the receiver gets, so the fault lands at the same point of the stream however far ahead
+# the victim had got (a process stopped by a signal may already have sent more into socket buffers).
+CUT_AFTER = ITEM_BYTES + ITEM_BYTES // 2
+
+
 async def test_hung_encoder_mid_stream_request_completes_within_the_deadline(trio, big_reference):
     victim, *others = trio
     policy = FailoverPolicy(stall_timeout_s=1.0, probe_timeout_s=0.5, backoff_s=0.5)
     items = [{"data": d} for d in BIG]
-    async with EncoderReceiver([p.url for p in trio], failover=policy, timeout=30.0, seed=0) as rx:
-        baseline = await timed_baseline(rx, items)
-        # SIGSTOP after item 0 and the first chunk of item 1: the stream goes silent mid-item.
-        inject(rx, victim.url, after=5, fault=lambda: os.kill(victim.process.pid, signal.SIGSTOP))
-        try:
-            started = time.perf_counter()
-            result = await rx.encode("hang", items, num_items_assigned=[4, 4, 4])
-            elapsed = time.perf_counter() - started
-            assert_matches(result, BIG, big_reference)
-            assert result.items[0].encoder_url == victim.url  # finished before the hang: kept
-            assert result.items[3].encoder_url != victim.url  # not even forwarded when it hung
-            assert elapsed < 10.0  # stall 1 s + probe 0.5 s + re-sharding, far inside the 30 s deadline
-            assert rx.healthy_urls() == [p.url for p in others]
+    async with fault_proxy(victim.port) as proxy:
+        urls = [proxy.url, *(p.url for p in others)]
+        async with EncoderReceiver(urls, failover=policy, timeout=60.0, seed=0) as rx:
+            baseline = await timed_baseline(rx, items)
+            # The victim stops (SIGSTOP) mid-item: its stream goes silent and its health probes unanswered.
+            proxy.arm(CUT_AFTER, fault=lambda: os.kill(victim.process.pid, signal.SIGSTOP), hang=True)
+            try:
+                started = time.perf_counter()
+                result = await rx.encode("hang", items, num_items_assigned=[4, 4, 4])
+                elapsed = time.perf_counter() - started
+                assert_matches(result, BIG, big_reference)
+                assert result.items[0].encoder_url == proxy.url  # finished before the hang: kept
+                assert {item.encoder_url for item in result.items[1:]} <= set(urls[1:])  # half-sent or not sent
+                # Abandoned by the stall watch (1 s of silence, then an unanswered probe), not at the
+                # 60 s deadline: a bound no loaded machine comes near.
+                assert elapsed < 30.0
+                assert rx.metrics.shard_failures == {(proxy.url, "UNAVAILABLE"): 1}
+                assert rx.healthy_urls() == urls[1:]
 
-            started = time.perf_counter()
-            after = await rx.encode("after-hang", items)  # the hung encoder is skipped, not waited on
-            skip_elapsed = time.perf_counter() - started
-            assert {i.encoder_url for i in after.items} <= {p.url for p in others}
-            assert skip_elapsed < 5.0
-        finally:
-            os.kill(victim.process.pid, signal.SIGCONT)
-        # Back from the hang: after its back-off, a health probe (not a request) lets it back in.
-        back_deadline = time.monotonic() + 15
-        while victim.url not in rx.healthy_urls():
-            assert time.monotonic() < back_deadline, "the resumed encoder was never probed back in"
-            await rx.encode("probe-trigger", items[:2])
-            await asyncio.sleep(0.2)
+                started = time.perf_counter()
+                after = await rx.encode("after-hang", items)  # the hung encoder is skipped, not waited on
+                skip_elapsed = time.perf_counter() - started
+                assert {i.encoder_url for i in after.items} <= set(urls[1:])
+                assert rx.metrics.shard_failures == {(proxy.url, "UNAVAILABLE"): 1}  # no call went to it
+            finally:
+                os.kill(victim.process.pid, signal.SIGCONT)
+                proxy.resume()
+            # Back from the hang: after its back-off, a health probe (not a request) lets it back in.
+            back_deadline = time.monotonic() + 60
+            while proxy.url not in rx.healthy_urls():
+                assert time.monotonic() < back_deadline, "the resumed encoder was never probed back in"
+                await rx.encode("probe-trigger", items[:2])
+                await asyncio.sleep(0.2)
     print(f"hang: baseline {baseline:.2f} s, with SIGSTOP mid-stream {elapsed:.2f} s, next request {skip_elapsed:.2f} s")
 
 
@@ -152,20 +135,21 @@ async def test_kill_9_one_of_three_encoders_mid_stream_all_12_items_correct(trio
     victim, *others = trio
     assert all(map(healthy, trio))
     items = [{"data": d} for d in BIG]
-    async with EncoderReceiver([p.url for p in trio], timeout=30.0, seed=0) as rx:
-        baseline = await timed_baseline(rx, items)
-        # kill -9 after item 0 and the first chunk of item 1: the half-received item 1 must be
-        # rewritten from scratch elsewhere, item 0 kept.
-        inject(rx, victim.url, after=5, fault=victim.process.kill)
-        started = time.perf_counter()
-        result = await rx.encode("kill", items, num_items_assigned=[4, 4, 4])
-        elapsed = time.perf_counter() - started
-        assert victim.process.wait(10) == -signal.SIGKILL
-        assert_matches(result, BIG, big_reference)
-        assert result.items[0].encoder_url == victim.url
-        assert result.items[3].encoder_url != victim.url
-        assert rx.healthy_urls() == [p.url for p in others]
-        assert_matches(await rx.encode("after-kill", items), BIG, big_reference)
+    async with fault_proxy(victim.port) as proxy:
+        urls = [proxy.url, *(p.url for p in others)]
+        async with EncoderReceiver(urls, timeout=60.0, seed=0) as rx:
+            baseline = await timed_baseline(rx, items)
+            # kill -9 mid-item: the half-received item 1 must be rewritten from scratch elsewhere, item 0 kept.
+            proxy.arm(CUT_AFTER, fault=victim.process.kill, hang=False)
+            started = time.perf_counter()
+            result = await rx.encode("kill", items, num_items_assigned=[4, 4, 4])
+            elapsed = time.perf_counter() - started
+            assert victim.process.wait(10) == -signal.SIGKILL
+            assert_matches(result, BIG, big_reference)
+            assert result.items[0].encoder_url == proxy.url
+            assert {item.encoder_url for item in result.items[1:]} <= set(urls[1:])
+            assert rx.healthy_urls() == urls[1:]
+            assert_matches(await rx.encode("after-kill", items), BIG, big_reference)
     print(f"kill -9: baseline {baseline:.2f} s, with kill -9 mid-stream {elapsed:.2f} s")
 
 
