@@ -23,7 +23,7 @@ from .health import FailoverPolicy, HealthTracker
 from .items import ImageSource, check_items, read_image_bytes
 from .metrics import ReceiverMetrics
 from .placement import RequestPlacement
-from .precomputed import agreed_model, is_precomputed, precomputed_result
+from .precomputed import agreed_model, is_precomputed, precomputed_results
 from .result import EncodeResult, ItemResult
 from .shm import ShmReceiver, TransferStats
 
@@ -57,6 +57,7 @@ class EncoderReceiver:
         refresh_s: float = DEFAULT_REFRESH_S,
         metrics: ReceiverMetrics | None = None,
         transfer: str = "auto",
+        hidden_size: int | None = None,
     ):
         """
         Args:
@@ -75,6 +76,9 @@ class EncoderReceiver:
             transfer: how payloads travel. "auto": through shared memory from encoders that prove
                 they share this host (started with --shm-transfer), the gRPC stream otherwise;
                 "shm": shared memory or SharedMemoryUnavailableError; "grpc": the stream only.
+            hidden_size: the served model's embedding width, which precomputed items are checked
+                against while this receiver has not fetched ModelInfo (a request of precomputed
+                items only never fetches it).
         """
         if not urls:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
@@ -82,6 +86,7 @@ class EncoderReceiver:
         self.timeout = timeout
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self.failover = failover or FailoverPolicy()
+        self.hidden_size = hidden_size
         self._rng = random.Random(seed)
         self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`
         self._jitter = random.Random()
@@ -155,9 +160,11 @@ class EncoderReceiver:
         Each item is a dict with "modality" ("image") and one of "data" (encoded image bytes)
         or "url" (`file://` or `data:`), or it carries "precomputed_embedding" (a float tensor
         [num_tokens, hidden_size]; see `precomputed_result` for the optional keys), in which case
-        it is checked against `served_model()` and never sent. Only the other items are sharded,
-        so `num_items_assigned` counts those, and fixes the first placement's per-encoder counts
-        while every encoder is healthy.
+        it is never sent. A request that sends other items checks it against `served_model()`; a
+        request of precomputed items only makes no RPC at all and checks them against ModelInfo
+        already fetched, else the configured `hidden_size`, else what the tensors prove (see
+        `precomputed_results`). Only the other items are sharded, so `num_items_assigned` counts
+        those, and fixes the first placement's per-encoder counts while every encoder is healthy.
 
         Raises UnsupportedModalityError before any RPC if an item is not an image,
         InvalidItemError for an unreadable item or a bad precomputed one (before any Encode
@@ -182,12 +189,16 @@ class EncoderReceiver:
         return EncodeResult(request_id, [results[i] for i in range(len(items))])
 
     async def _precomputed_results(self, items: Sequence[Mapping[str, Any]]) -> dict[int, ItemResult]:
-        """Results of the items that carry their embedding, by index; ModelInfo is fetched only for them."""
+        """Results of the items that carry their embedding, by index.
+
+        ModelInfo is fetched for them only when the request talks to the encoders anyway: a request
+        of precomputed items alone must be served while every encoder is down.
+        """
         indices = [index for index, item in enumerate(items) if is_precomputed(item)]
         if not indices:
             return {}
-        info = await self.served_model()
-        return await asyncio.to_thread(lambda: {i: precomputed_result(items[i], i, info) for i in indices})
+        info = await self.served_model() if len(indices) < len(items) else self._served_model
+        return await asyncio.to_thread(precomputed_results, items, indices, info, self.hidden_size)
 
     def _read_sources(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> dict[int, ImageSource]:
         return {index: ImageSource(index, read_image_bytes(items[index], index, self.file_roots)) for index in indices}
