@@ -180,12 +180,20 @@ async def test_cmyk_jpeg_encodes_as_its_rgb_conversion(server):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-async def test_16_bit_png_encodes_as_its_8_bit_scaling(server):
-    levels = np.random.RandomState(2).randint(0, 256, (40, 56)).astype(np.uint16)
-    sixteen = encode_as(Image.fromarray(levels * 257), "PNG")  # 0..65535, exact multiples of 257
+async def test_16_bit_png_encodes_as_the_models_own_pipeline_encodes_it(server, default_model_dir):
+    """Parity for the same bytes: Pillow opens the file, the checkpoint's processor converts it."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    levels = np.random.RandomState(2).randint(0, 65536, (40, 56)).astype(np.uint16)
+    levels[:, :8] = np.arange(8 * 40).reshape(40, 8) % 256  # some levels under 256 too
+    sixteen = encode_as(Image.fromarray(levels), "PNG")
     assert Image.open(io.BytesIO(sixteen)).mode == "I;16"
-    eight = encode_as(Image.fromarray(levels.astype(np.uint8), "L").convert("RGB"), "PNG")
-    got, want = await embeddings(server, [sixteen, eight])
+    (got,) = await embeddings(server, [sixteen])
+    model = AutoModelForImageTextToText.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(str(default_model_dir))
+    with torch.inference_mode():
+        inputs = processor(images=[Image.open(io.BytesIO(sixteen))], return_tensors="pt")
+        (want,) = model.get_image_features(**inputs).pooler_output
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
