@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -40,6 +41,8 @@ from testkit.support import REPO_ROOT, FixedSizeEncoder, image_bytes, running_se
 NUM_TOKENS = 600
 ITEM_BYTES = 2 * NUM_TOKENS * 2048 * 2
 NOBODY = 65534
+# Long enough for an unheld forward's item to arrive on a loaded machine; what must miss it is held.
+DEADLINE_S = 8.0
 
 
 def fixed_encoder(**kwargs) -> FixedSizeEncoder:
@@ -98,11 +101,50 @@ async def shm_server(default_model_dir):
 
 @pytest.fixture(scope="module")
 async def slow_server(default_model_dir):
-    """Half a second per item, one item per forward: calls are still running when a test cuts them off."""
-    slow = fixed_encoder(forward_s=0.5)
+    """One item per forward, each waiting for the test's leave: calls are still running when a test
+    cuts them off, however slow the machine."""
+    held = HeldForwards()
     batching = BatchingConfig(max_batch_images=1)
-    async with running_server(default_model_dir, encoder=slow, shm=ShmConfig(), batching=batching) as server:
+    async with running_server(default_model_dir, encoder=held, shm=ShmConfig(), batching=batching) as server:
+        server.forwards = held
         yield server
+
+
+class HeldForwards(FixedSizeEncoder):
+    """The fixed-size double whose forwards pass only as many as `allow_only` says (all once `open`)."""
+
+    def __init__(self):
+        super().__init__(NUM_TOKENS, num_deepstack_layers=1)
+        self._turn = threading.Condition()
+        self._left: int | None = None  # forwards still allowed; None: all
+        self.running = 0
+
+    def allow_only(self, forwards: int) -> None:
+        with self._turn:
+            self._left = forwards
+
+    def open(self) -> None:
+        with self._turn:
+            self._left = None
+            self._turn.notify_all()
+
+    def encode(self, batch):
+        with self._turn:
+            self.running += 1
+            try:
+                if not self._turn.wait_for(lambda: self._left is None or self._left > 0, timeout=120):
+                    raise TimeoutError("the test never let this forward run")
+            finally:
+                self.running -= 1
+            if self._left is not None:
+                self._left -= 1
+        return super().encode(batch)
+
+
+async def settle(server) -> None:
+    """Lets every held forward finish and waits until the server has nothing queued or running."""
+    server.forwards.open()
+    assert await wait_until(lambda: server._batcher.queue_depth == 0 and server.forwards.running == 0)
 
 
 @pytest.fixture(scope="module")
@@ -252,15 +294,17 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
 async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(slow_server.url)
+    slow_server.forwards.allow_only(1)
     try:
-        call = endpoint.encode(offer_request("cancel", shm, 3), timeout=30)
-        first = await call.read()  # the next item is still in its forward
+        call = endpoint.encode(offer_request("cancel", shm, 3), timeout=60)
+        first = await call.read()  # the next item is held in its forward
         assert first.shm.segment in os.listdir(SHM_DIR)
         before = slow_server.shm.stats.reclaimed_cancel
         call.cancel()
         assert await wait_until(lambda: segments_of(slow_server.shm.instance) == [])
         assert slow_server.shm.stats.reclaimed_cancel - before >= 1 and slow_server.shm.outstanding() == []
     finally:
+        await settle(slow_server)
         await endpoint.close()
         shm.close()
 
@@ -269,9 +313,9 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
     server = slow_server
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(server.url)
+    server.forwards.allow_only(1)  # the first item comes at once, the second is held past the deadline
     try:
-        # 4 items take 2 s at least; the first comes after 0.5 s (1 s behind a forward left running).
-        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=1.5)
+        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=DEADLINE_S)
         first = await call.read()
         assert first.shm.segment in os.listdir(SHM_DIR)
         before = server.shm.stats.reclaimed_cancel
@@ -282,11 +326,16 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
         assert await wait_until(lambda: segments_of(server.shm.instance) == [])
         assert server.shm.stats.reclaimed_cancel - before >= 1
     finally:
+        await settle(server)
         await endpoint.close()
         shm.close()
-    async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
-        with pytest.raises(ShardError) as raised:
-            await rx.encode("deadline", items(4), timeout=1.5)
+    server.forwards.allow_only(1)
+    try:
+        async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
+            with pytest.raises(ShardError) as raised:
+                await rx.encode("deadline", items(4), timeout=DEADLINE_S)
+    finally:
+        await settle(server)
     assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
 
@@ -324,11 +373,14 @@ asyncio.run(main(sys.argv[1]))
 
 
 async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(default_model_dir):
-    config = ShmConfig(release_timeout_s=1.0)
-    slow = fixed_encoder(forward_s=0.2)
+    # Long enough that the cut call's segment is still outstanding when the kill lands on a loaded machine.
+    config = ShmConfig(release_timeout_s=5.0)
+    held = HeldForwards()
     async with running_server(
-        default_model_dir, encoder=slow, shm=config, batching=BatchingConfig(max_batch_images=1)
+        default_model_dir, encoder=held, shm=config, batching=BatchingConfig(max_batch_images=1)
     ) as server:
+        server.forwards = held
+        held.allow_only(2)  # the whole call's item and the cut call's first: the cut call is mid-stream
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-c", RECEIVER_SCRIPT, server.url, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
         )
@@ -347,7 +399,8 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
             if child.returncode is None:
                 child.kill()
                 await child.wait()
-        # The cut call's segment goes at once, the whole call's after 1 s, the probe at the next sweep.
+        await settle(server)
+        # The cut call's segment goes at once, the whole call's after 5 s, the probe at the next sweep.
         gone = lambda: not set([*segments, probe]) & set(os.listdir(SHM_DIR))  # noqa: E731
         assert await wait_until(gone)
         stats = server.shm.stats
