@@ -245,7 +245,8 @@ async def test_server_refuses_a_call_beyond_the_queue_with_resource_exhausted_at
 async def test_call_past_its_deadline_leaves_the_queue_and_costs_no_forward(held_server):
     server, encoder, endpoint = held_server
     blocker = await start_blocking_call(server, encoder, endpoint)
-    late = asyncio.create_task(drain(endpoint.encode(request_for(image_bytes(28, 28, seed=4), "late"), timeout=2.0)))
+    # Time enough to be seen queued on a loaded machine; the held forward makes it expire there.
+    late = asyncio.create_task(drain(endpoint.encode(request_for(image_bytes(28, 28, seed=4), "late"), timeout=8.0)))
     await eventually(lambda: server._batcher.queue_depth == 1, "the call is queued")
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await late
