@@ -34,10 +34,13 @@ DEFAULT_TIMEOUT_S = 60.0
 class EncoderReceiver:
     """Shards each request's image items across encoder servers and reassembles their embeddings.
 
-    When an encoder fails (unreachable, UNAVAILABLE, INTERNAL, RESOURCE_EXHAUSTED, a broken or
-    stalled stream), the items it did not finish are re-sharded onto the other encoders within the
-    request's deadline; finished items are kept, half-received ones start over. Failed encoders are
-    skipped by later requests until a health probe finds them SERVING again.
+    When an encoder fails (unreachable, UNAVAILABLE, INTERNAL, a broken or stalled stream), the
+    items it did not finish are re-sharded onto the other encoders within the request's deadline;
+    finished items are kept, half-received ones start over. Failed encoders are skipped by later
+    requests until a health probe finds them SERVING again. An overloaded encoder's items are
+    retried after a back-off without benching it; an invalid item, refused credentials
+    (UNAUTHENTICATED, PERMISSION_DENIED) or the deadline fail the request at once. The error class
+    of the status decides which (`encoder_common.errors.Failover`; see `placement.RequestPlacement`).
 
     Use it as an async context manager (or call `close()`); one channel per encoder URL is opened
     once and shared by every `encode` call, which may run concurrently.
