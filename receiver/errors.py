@@ -72,10 +72,10 @@ def _shorten(text: str, limit: int = 300) -> str:
 
 
 class EncodeFailedError(ShardError):
-    """A request failed: an item no encoder could serve, a bad item, or the deadline passed.
+    """A request failed: an item no encoder could serve, a bad item, refused credentials, or the deadline passed.
 
-    `code` is the status that decided it (INVALID_ARGUMENT, DEADLINE_EXCEEDED, or the last failure
-    of the item that ran out of encoders or attempts); `encoder_url` is the encoder of that failure,
+    `code` is the status that decided it (INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED,
+    DEADLINE_EXCEEDED, or the last failure of the item that ran out of encoders or attempts); `encoder_url` is the encoder of that failure,
     if any; `item_indices` lists the items not encoded; `attempts` maps every item to the calls it
     was part of, in order. Completed items' embeddings are discarded with the request.
     """
