@@ -46,8 +46,9 @@ class FaultProxy:
 
     def arm(self, after_bytes: int, fault: Callable[[], None], *, hang: bool) -> None:
         """After `after_bytes` more bytes from the encoder, runs `fault`, then either hangs (relays
-        nothing either way until `resume`; the held bytes follow then) or cuts every connection at
-        once, dropping what the encoder had sent past that point, as a killed process's peer sees it."""
+        nothing either way until `resume`; the held bytes follow then) or cuts every connection,
+        dropping what the encoder had sent past that point, as a killed process's peer sees it: the
+        receiver reads what came before, then the connection's end."""
         self._budget, self._fault, self._hang = after_bytes, fault, hang
 
     def resume(self) -> None:
@@ -71,7 +72,7 @@ class FaultProxy:
         finally:
             for writer in (client_writer, upstream_writer):
                 self._writers.discard(writer)
-                writer.transport.abort()
+                writer.close()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, from_encoder: bool) -> None:
         with contextlib.suppress(ConnectionError):
@@ -86,7 +87,7 @@ class FaultProxy:
                             return
                 await self._flowing.wait()
                 await self._write(writer, data)
-        writer.transport.abort()
+        writer.close()  # one side ended: end the other, after what it has been sent
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         if data:
@@ -100,7 +101,9 @@ class FaultProxy:
             self._flowing.clear()
         else:
             self._cut = True
-            self._abort_all()
+            # A close, not a reset: a reset would discard what the receiver has not read yet.
+            for writer in list(self._writers):
+                writer.close()
 
     def _abort_all(self) -> None:
         for writer in list(self._writers):

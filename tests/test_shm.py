@@ -111,33 +111,33 @@ async def slow_server(default_model_dir):
 
 
 class HeldForwards(FixedSizeEncoder):
-    """The fixed-size double whose forwards pass only as many as `allow_only` says (all once `open`)."""
+    """The fixed-size double whose forwards of images at least `hold_from` pixels wide wait until
+    `open`: which items get through is fixed by the items themselves, not by forward order."""
 
     def __init__(self):
         super().__init__(NUM_TOKENS, num_deepstack_layers=1)
         self._turn = threading.Condition()
-        self._left: int | None = None  # forwards still allowed; None: all
+        self._hold_from: int | None = None
         self.running = 0
 
-    def allow_only(self, forwards: int) -> None:
+    def hold_from(self, width: int) -> None:
         with self._turn:
-            self._left = forwards
+            self._hold_from = width
 
     def open(self) -> None:
         with self._turn:
-            self._left = None
+            self._hold_from = None
             self._turn.notify_all()
 
     def encode(self, batch):
+        widest = max(int(prepared.pixel_values[0]) for prepared in batch)
         with self._turn:
             self.running += 1
             try:
-                if not self._turn.wait_for(lambda: self._left is None or self._left > 0, timeout=120):
+                if not self._turn.wait_for(lambda: self._hold_from is None or widest < self._hold_from, timeout=120):
                     raise TimeoutError("the test never let this forward run")
             finally:
                 self.running -= 1
-            if self._left is not None:
-                self._left -= 1
         return super().encode(batch)
 
 
@@ -294,7 +294,7 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
 async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(slow_server.url)
-    slow_server.forwards.allow_only(1)
+    slow_server.forwards.hold_from(9)  # item 0 (8 pixels wide) passes, items 1 and 2 are held
     try:
         call = endpoint.encode(offer_request("cancel", shm, 3), timeout=60)
         first = await call.read()  # the next item is held in its forward
@@ -313,7 +313,7 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
     server = slow_server
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(server.url)
-    server.forwards.allow_only(1)  # the first item comes at once, the second is held past the deadline
+    server.forwards.hold_from(9)  # item 0 (8 pixels wide) comes at once, item 1 is held past the deadline
     try:
         call = endpoint.encode(offer_request("deadline", shm, 4), timeout=DEADLINE_S)
         first = await call.read()
@@ -329,7 +329,7 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
         await settle(server)
         await endpoint.close()
         shm.close()
-    server.forwards.allow_only(1)
+    server.forwards.hold_from(9)
     try:
         async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
             with pytest.raises(ShardError) as raised:
@@ -380,7 +380,7 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
         default_model_dir, encoder=held, shm=config, batching=BatchingConfig(max_batch_images=1)
     ) as server:
         server.forwards = held
-        held.allow_only(2)  # the whole call's item and the cut call's first: the cut call is mid-stream
+        held.hold_from(9)  # both calls' item 0 (8 pixels wide) pass: the cut call is mid-stream
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-c", RECEIVER_SCRIPT, server.url, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
         )
