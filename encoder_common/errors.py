@@ -12,9 +12,15 @@ import grpc
 class EncoderError(Exception):
     """Base of every error the encode path raises on purpose."""
 
+    # The server metrics' `outcome` label of a call failing with it: what an operator alerts on
+    # without listing status codes.
+    outcome = "error"
+
 
 class InvalidItemError(EncoderError, ValueError):
     """An item (or the request carrying it) is malformed: the caller's fault, never retried."""
+
+    outcome = "invalid"
 
 
 class UnsupportedModalityError(InvalidItemError, NotImplementedError):
@@ -32,17 +38,25 @@ class ItemsOffsetError(InvalidItemError):
 class OverloadedError(EncoderError):
     """The server's queue is full; the call was refused at once."""
 
+    outcome = "overloaded"
+
 
 class UnavailableError(EncoderError):
     """The server is not serving (starting, draining or shutting down)."""
+
+    outcome = "overloaded"
 
 
 class UnauthenticatedError(EncoderError):
     """The call carried no valid credentials."""
 
+    outcome = "invalid"
+
 
 class DeadlineExceededError(EncoderError, TimeoutError):
     """The call's deadline passed before its items were encoded."""
+
+    outcome = "cancelled"
 
 
 class SharedMemoryUnavailableError(EncoderError):
@@ -90,3 +104,12 @@ def status_for(error: BaseException) -> grpc.StatusCode:
 def error_class_for(code: grpc.StatusCode) -> type[EncoderError]:
     """The error class a receiver raises for a status it got back."""
     return _ERROR_BY_STATUS.get(code, EncoderError)
+
+
+def outcome_for(code: grpc.StatusCode) -> str:
+    """The `outcome` label of a call that ended with `code`: that of the code's error class."""
+    if code == grpc.StatusCode.OK:
+        return "ok"
+    if code == grpc.StatusCode.CANCELLED:  # the caller went away: no error of the encode path
+        return "cancelled"
+    return error_class_for(code).outcome

@@ -188,7 +188,7 @@ class ServerBackend:
 class InProcessBackend:
     """Encodes with the vision tower loaded in this process (needs transformers)."""
 
-    def __init__(self, model_dir: str, device: str, dtype: torch.dtype):
+    def __init__(self, model_dir: str, device: str | None, dtype: torch.dtype):
         from encoder_server.models import load_vision_encoder
 
         self.encoder = load_vision_encoder(model_dir, device, dtype)
@@ -351,9 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace) -> Summary:
     files = collect_images(args.paths)
     if args.model:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         backend: ServerBackend | InProcessBackend = await asyncio.to_thread(
-            InProcessBackend, args.model, device, wire.DTYPE_NAMES[args.dtype]
+            InProcessBackend, args.model, args.device, wire.DTYPE_NAMES[args.dtype]
         )
         concurrency = 1  # one forward at a time
     else:
