@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from encoder_server import cli
+from encoder_server.config import port_or_off
 from receiver import cli as client_cli
 from encoder_server import precompute
 from testkit.support import REPO_ROOT
@@ -79,7 +80,7 @@ def sample_value(action: argparse.Action) -> tuple[str, object]:
         return "7", 7
     if action.type is float:
         return "2.5", 2.5
-    if action.type is cli.port_or_off:
+    if action.type is port_or_off:
         return "9100", 9100
     if action.type is Path:
         return "/from-env", Path("/from-env")
@@ -126,10 +127,10 @@ def test_model_may_come_from_the_environment_only(monkeypatch):
 
 
 def test_metrics_port_accepts_off_and_ports_only():
-    assert cli.port_or_off("off") is None and cli.port_or_off("0") == 0 and cli.port_or_off("9000") == 9000
+    assert port_or_off("off") is None and port_or_off("0") == 0 and port_or_off("9000") == 9000
     for bad in ("70000", "-1", "http"):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
-            cli.port_or_off(bad)
+            port_or_off(bad)
 
 
 def test_console_scripts_point_at_the_commands():
