@@ -28,8 +28,13 @@ def port_or_off(value: str) -> int | None:
     return port
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def dtype_flag(help: str) -> dict:
+    """The metadata of a torch.dtype setting given on the command line by name."""
+    return flag(help, choices=tuple(DTYPE_NAMES), to_field=DTYPE_NAMES.__getitem__, shown=dtype_name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,10 +43,7 @@ class ServerConfig:
     host: str = field(default="0.0.0.0", metadata=flag("address to listen on ('::' for all IPv6)"))
     port: int = field(default=50051, metadata=flag("port to listen on (0: any free port)"))
     device: str | None = field(default=None, metadata=flag("cuda when present, else cpu", choices=("cuda", "cpu")))
-    dtype: torch.dtype = field(
-        default=torch.bfloat16,
-        metadata=flag("served dtype", choices=tuple(DTYPE_NAMES), to_field=DTYPE_NAMES.__getitem__, shown=_dtype_name),
-    )
+    dtype: torch.dtype = field(default=torch.bfloat16, metadata=dtype_flag("served dtype"))
     batching: BatchingConfig = field(default_factory=BatchingConfig, metadata=section())
     preprocess_workers: int = field(default=4, metadata=flag("threads decoding and preprocessing images"))
     max_items_per_request: int = field(default=64, metadata=flag("items one Encode call may carry"))
