@@ -77,6 +77,7 @@ class _Option:
     spec: Flag
     name: str
     switch: bool = False  # the on-switch of an optional section
+    negated: bool = False  # a bool setting defaulting to True: the flag turns it off
 
     @property
     def dest(self) -> str:
@@ -144,11 +145,9 @@ def _switch(f: dataclasses.Field, spec: Flag, prefix: str) -> _Option:
 
 
 def _option(f: dataclasses.Field, spec: Flag, prefix: str) -> _Option:
-    if spec.name is not None:
-        return _Option(f, spec, spec.name)
-    if f.default is True:
-        return _Option(f, spec, "--no-" + prefix + f.name.replace("_", "-"))
-    return _Option(f, spec, _flag_name(prefix, f.name))
+    negated = f.default is True
+    name = spec.name or ("--no-" + prefix + f.name.replace("_", "-") if negated else _flag_name(prefix, f.name))
+    return _Option(f, spec, name, negated=negated)
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -162,9 +161,7 @@ def _default(f: dataclasses.Field) -> Any:
 def _to_field(option: _Option, value: Any) -> Any:
     if option.spec.to_field is not None:
         return option.spec.to_field(value)
-    if option.field.default is True and option.spec.name is None:
-        return not value  # --no-<name>
-    return value
+    return not value if option.negated else value
 
 
 def _add_option(parser: argparse.ArgumentParser, option: _Option, optional: bool) -> None:

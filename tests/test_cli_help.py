@@ -11,9 +11,15 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
+from encoder_common.env_flags import config_from_args
 from encoder_server import cli
-from encoder_server.config import port_or_off
+from encoder_server.batcher import BatchingConfig
+from encoder_server.config import ServerConfig, port_or_off
+from encoder_server.shm import ShmConfig
+from encoder_server.sources import SourcePolicy
+from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli
 from encoder_server import precompute
 from testkit.support import REPO_ROOT
@@ -110,6 +116,39 @@ def test_every_flag_reads_its_environment_variable(command, monkeypatch):
                 flag = [action.option_strings[-1], str(defaults[action.dest])]
                 parsed = vars(build().parse_args([*required_args, *flag]))
             assert parsed[action.dest] == defaults[action.dest], action.option_strings
+
+
+def clear_env(monkeypatch, command: str) -> None:
+    _, build, prefix, _ = COMMANDS[command]
+    for action in options(build()):
+        monkeypatch.delenv(env_name(prefix, action), raising=False)
+
+
+def test_the_server_flags_build_its_config_with_the_configs_own_defaults(monkeypatch):
+    clear_env(monkeypatch, "encoder-server")
+    assert config_from_args(ServerConfig, cli.build_parser().parse_args(["--model", "m"])) == ServerConfig(model="m")
+    flags = ["--model", "m", "--batch-wait-ms", "2", "--allow-file-root", "/srv", "--no-warmup", "--dtype", "float32"]
+    flags += ["--tls-cert-file", "c.pem", "--tls-key-file", "k.pem", "--shm-transfer", "--shm-max-bytes", "1024"]
+    monkeypatch.setenv("ENCODER_METRICS_PORT", "9100")
+    assert config_from_args(ServerConfig, cli.build_parser().parse_args(flags)) == ServerConfig(
+        model="m",
+        batching=BatchingConfig(max_wait_ms=2.0),
+        sources=SourcePolicy(file_root="/srv"),
+        warmup=False,
+        dtype=torch.float32,
+        tls=TlsConfig(cert_file="c.pem", key_file="k.pem"),
+        shm=ShmConfig(max_bytes=1024),
+        metrics_port=9100,
+    )
+
+
+def test_the_precompute_flags_build_its_settings_with_their_own_defaults(monkeypatch):
+    clear_env(monkeypatch, "encoder-precompute")
+    args = precompute.build_parser().parse_args(["images/", "--out", "/cache"])
+    assert config_from_args(precompute.PrecomputeSettings, args) == precompute.PrecomputeSettings(out=Path("/cache"))
+    args = precompute.build_parser().parse_args(["images/", "--out", "/cache", "--no-progress", "--dtype", "float16"])
+    settings = config_from_args(precompute.PrecomputeSettings, args)
+    assert settings.progress is False and settings.dtype == torch.float16 and settings.batch_size == 8
 
 
 def test_boolean_env_values(monkeypatch):
