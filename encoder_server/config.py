@@ -18,6 +18,9 @@ from .sources import SourcePolicy
 from .tls import TlsConfig
 
 
+DEFAULT_CACHE_BYTES = 1 << 30
+
+
 def port_or_off(value: str) -> int | None:
     """A port number, or 'off' (None)."""
     if value.strip().lower() in ("off", "none", ""):
@@ -60,7 +63,7 @@ class ServerConfig:
         default=None, metadata=flag("file of bearer tokens, one per line: calls must carry one")
     )
     auth_protect_health: bool = field(default=False, metadata=flag("require the token on health probes too"))
-    cache_bytes: int = field(default=1 << 30, metadata=flag("embedding cache size in bytes (0: no cache)"))
+    cache_bytes: int = field(default=DEFAULT_CACHE_BYTES, metadata=flag("embedding cache size in bytes (0: no cache)"))
     grace_seconds: float = field(default=30.0, metadata=flag("drain time for running calls on SIGTERM"))
     metrics_port: int | None = field(  # Prometheus /metrics over HTTP; None: not served
         default=None,
