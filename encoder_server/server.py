@@ -59,10 +59,25 @@ class EncoderServer:
         return _join_host_port(self.config.host, self.port)
 
     async def start(self) -> int:
-        """SERVING only once the model is loaded, a warm-up forward passed and the port is bound."""
-        config = self.config
+        """Life cycle: NOT_SERVING until the model is loaded, a warm-up forward passed and the port is
+        bound; then SERVING. Returns the bound port."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         interceptors = self._interceptors()  # reads the token file: a bad one fails before the model loads
+        random_weights = await self._load_model()
+        await self._start_forward_worker()
+        if self.config.shm is not None:
+            self.shm = ShmSegments(self.config.shm)
+            await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
+        self._server = self._build_grpc_server(interceptors, model_info(self.encoder.spec, self.config, random_weights))
+        await self._server.start()
+        self._serve_metrics()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._log_ready()
+        return self.port
+
+    async def _load_model(self) -> bool:
+        """Loads the vision tower unless one was handed over; returns whether its weights are random."""
+        config = self.config
         if self.encoder is None:
             self.encoder = await asyncio.get_running_loop().run_in_executor(
                 None, load_vision_encoder, config.model, config.device, config.dtype
@@ -70,18 +85,7 @@ class EncoderServer:
         random_weights = has_random_weights(config.model)
         if random_weights:
             log.warning("%s has random weights: its embeddings are meaningless test outputs", config.model)
-        await self._start_forward_worker()
-        if config.shm is not None:
-            self.shm = ShmSegments(config.shm)
-            await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
-        self._server = self._build_grpc_server(interceptors, model_info(self.encoder.spec, config, random_weights))
-        await self._server.start()
-        if config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
-            log.info("metrics on http://%s/metrics", _join_host_port(config.host, self.metrics_port))
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self._log_ready()
-        return self.port
+        return random_weights
 
     async def _start_forward_worker(self) -> None:
         """Starts the batcher's thread, runs the warm-up forward and watches the thread from then on."""
@@ -136,6 +140,11 @@ class EncoderServer:
             return [self.gate]
         tokens = read_token_file(config.auth_token_file)
         return [BearerTokenInterceptor(tokens, protect_health=config.auth_protect_health), self.gate]
+
+    def _serve_metrics(self) -> None:
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            log.info("metrics on http://%s/metrics", _join_host_port(self.config.host, self.metrics_port))
 
     def _log_ready(self) -> None:
         config, spec = self.config, self.encoder.spec
