@@ -63,7 +63,9 @@ class ServerMetrics:
             "encoder_items", "Items of finished Encode calls, by outcome and gRPC status code", ["outcome", "code"], registry=r
         )
         self.tokens = Counter("encoder_tokens", "Embedding rows sent", registry=r)
-        self.bytes_sent = Counter("encoder_response_bytes", "Bytes of Encode responses of the items sent whole (headers and payload)", registry=r)
+        self.bytes_sent = Counter(
+            "encoder_response_bytes", "Bytes of Encode responses of the items sent whole (headers and payload)", registry=r
+        )
         self.in_flight = Gauge("encoder_requests_in_flight", "Encode calls being served", registry=r)
         self.queue_depth = Gauge("encoder_queue_items", "Items waiting for a forward", registry=r)
         self.batch_items = Histogram("encoder_batch_items", "Images per forward", buckets=_BATCH_ITEMS, registry=r)
@@ -151,7 +153,7 @@ class _ShmCollector(Collector):
         fallbacks = CounterMetricFamily(
             "encoder_shm_fallbacks", "Items offered shared memory that went as chunks, by reason", labels=["reason"]
         )
-        for reason, count in sorted(stats.fallbacks.items()):
+        for reason, count in sorted(dict(stats.fallbacks).items()):
             fallbacks.add_metric([reason], count)
         yield fallbacks
         pool = segments.pool()
