@@ -16,11 +16,13 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from encoder_common.env_flags import flag
 from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
 
-from .models.base import ImageEmbedding, PreparedImage, VisionEncoder
+if TYPE_CHECKING:  # the model stack is not imported for BatchingConfig (the CLI's --help builds on it)
+    from .models import ImageEmbedding, PreparedImage, VisionEncoder
 
 log = logging.getLogger(__name__)
 

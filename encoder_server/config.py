@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from encoder_common.env_flags import Flag, flag, section
-from protos.wire import DTYPE_NAMES
+from protos import encoder_pb2 as pb
 
 from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
 from .shm import ShmConfig
 from .sources import SourcePolicy
 from .tls import TlsConfig
+
+if TYPE_CHECKING:  # torch is imported once a config is built, not to build the parser (--help stays fast)
+    import torch
+
+# The dtypes an embedding can be served in, by name: those the wire carries.
+DTYPE_CHOICES = tuple(name.lower() for name, number in pb.DType.items() if number)
 
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -31,13 +36,9 @@ def port_or_off(value: str) -> int | None:
     return port
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def dtype_flag(help: str) -> dict:
-    """The metadata of a torch.dtype setting given on the command line by name."""
-    return flag(help, choices=tuple(DTYPE_NAMES), to_field=DTYPE_NAMES.__getitem__, shown=dtype_name)
+    """The metadata of a dtype setting, given on the command line by name."""
+    return flag(help, choices=DTYPE_CHOICES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +47,7 @@ class ServerConfig:
     host: str = field(default="0.0.0.0", metadata=flag("address to listen on ('::' for all IPv6)"))
     port: int = field(default=50051, metadata=flag("port to listen on (0: any free port)"))
     device: str | None = field(default=None, metadata=flag("cuda when present, else cpu", choices=("cuda", "cpu")))
-    dtype: torch.dtype = field(default=torch.bfloat16, metadata=dtype_flag("served dtype"))
+    dtype: torch.dtype | str = field(default="bfloat16", metadata=dtype_flag("served dtype"))  # a name becomes its torch.dtype
     batching: BatchingConfig = field(default_factory=BatchingConfig, metadata=section())
     preprocess_workers: int = field(default=4, metadata=flag("threads decoding and preprocessing images"))
     max_items_per_request: int = field(default=64, metadata=flag("items one Encode call may carry"))
@@ -82,3 +83,9 @@ class ServerConfig:
             switch=Flag(help="hand payloads to receivers on this host through /dev/shm", name="--shm-transfer"),
         ),
     )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            from protos.wire import DTYPE_NAMES
+
+            object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])

@@ -33,7 +33,7 @@ from receiver.client import EncoderReceiver
 from receiver.errors import ShardError
 from receiver.precomputed import DEEPSTACK_KEY, PRECOMPUTED_KEY
 
-from .config import dtype_flag, dtype_name
+from .config import dtype_flag
 
 FORMAT = "encoder-precompute/1"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -62,7 +62,7 @@ class ModelStamp:
         return cls(
             info.model_type,
             info.weights_fingerprint,
-            dtype_name(wire.TORCH_DTYPES[info.dtype]),
+            _dtype_name(wire.TORCH_DTYPES[info.dtype]),
             info.hidden_size,
         )
 
@@ -86,6 +86,10 @@ class ModelStamp:
             "dtype": self.dtype,
             "hidden_size": str(self.hidden_size),
         }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class Encoded(NamedTuple):
@@ -194,7 +198,7 @@ class InProcessBackend:
     async def stamp(self) -> ModelStamp:
         spec = self.encoder.spec
         return ModelStamp(
-            spec.model_type, spec.weights_fingerprint, dtype_name(spec.dtype), spec.hidden_size
+            spec.model_type, spec.weights_fingerprint, _dtype_name(spec.dtype), spec.hidden_size
         )
 
     async def encode(self, request_id: str, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
@@ -258,7 +262,7 @@ class PrecomputeSettings:
         default=None, metadata=flag("checkpoint directory to load in-process instead (needs transformers)")
     )
     device: str | None = field(default=None, metadata=flag("with --model: cuda when present, else cpu"))
-    dtype: torch.dtype = field(default=torch.bfloat16, metadata=dtype_flag("with --model: served dtype"))
+    dtype: str = field(default="bfloat16", metadata=dtype_flag("with --model: served dtype"))
     batch_size: int = field(default=8, metadata=flag("images per Encode request or forward"))
     concurrency: int = field(default=4, metadata=flag("requests in flight (servers only)"))
     timeout: float = field(default=600.0, metadata=flag("deadline of one request, seconds"))
@@ -355,7 +359,7 @@ async def _run(paths: Sequence[str], settings: PrecomputeSettings) -> Summary:
     files = collect_images(paths)
     if settings.model:
         backend: ServerBackend | InProcessBackend = await asyncio.to_thread(
-            InProcessBackend, settings.model, settings.device, settings.dtype
+            InProcessBackend, settings.model, settings.device, wire.DTYPE_NAMES[settings.dtype]
         )
         settings = replace(settings, concurrency=1)  # one forward at a time
     else:
