@@ -44,7 +44,6 @@ class Flag:
     name: str | None = None  # the option, when not --<field-name>
     type: Callable[[str], Any] | None = None  # parses the option's text
     choices: Sequence[str] | None = None
-    to_field: Callable[[Any], Any] | None = None  # the parsed option -> the field's value
     shown: Callable[[Any], str] | None = None  # the field's default -> the option's default text
 
 
@@ -113,7 +112,7 @@ def config_from_args(settings: type, args: argparse.Namespace, *, prefix: str = 
         else:
             option = _option(f, spec, prefix)
             value = getattr(args, option.dest)
-            values[f.name] = _to_field(option, value)
+            values[f.name] = not value if option.negated else value
     return settings(**values, **given)
 
 
@@ -156,12 +155,6 @@ def _default(f: dataclasses.Field) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return dataclasses.MISSING
-
-
-def _to_field(option: _Option, value: Any) -> Any:
-    if option.spec.to_field is not None:
-        return option.spec.to_field(value)
-    return not value if option.negated else value
 
 
 def _add_option(parser: argparse.ArgumentParser, option: _Option, optional: bool) -> None:

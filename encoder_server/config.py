@@ -22,7 +22,6 @@ if TYPE_CHECKING:  # torch is imported once a config is built, not to build the 
 # The dtypes an embedding can be served in, by name: those the wire carries.
 DTYPE_CHOICES = tuple(name.lower() for name, number in pb.DType.items() if number)
 
-
 DEFAULT_CACHE_BYTES = 1 << 30
 
 

@@ -139,12 +139,17 @@ async def test_queue_depth_in_flight_and_a_deadline_while_the_forward_is_busy(de
             encoder.gate.set()
             assert len((await call).items) == 3
         await wait_for(
-            lambda: value(scrape(server.metrics_port), "encoder_requests_total", outcome="cancelled", code="DEADLINE_EXCEEDED") == 1,
-            "the expired call to be counted",
+            lambda: cancelled(scrape(server.metrics_port), "encoder_requests_total") == 1, "the expired call to be counted"
         )
         samples = scrape(server.metrics_port)
     assert value(samples, "encoder_queue_items") == 0 and value(samples, "encoder_requests_in_flight") == 0
-    assert value(samples, "encoder_items_total", outcome="cancelled", code="DEADLINE_EXCEEDED") == 1
+    assert cancelled(samples, "encoder_items_total") == 1
+
+
+def cancelled(samples, name: str) -> float:
+    """Cancelled calls (or items) under either code: the receiver's own deadline and gRPC's expire at
+    the same moment, and which one ends the call on the server (CANCELLED or DEADLINE_EXCEEDED) is a race."""
+    return sum(value(samples, name, outcome="cancelled", code=code) for code in ("CANCELLED", "DEADLINE_EXCEEDED"))
     assert value(samples, "encoder_batch_items_count") == 3 and value(samples, "encoder_batch_items_bucket", le="1.0") == 3
 
 
