@@ -26,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 def tune_malloc() -> None:
     """Keeps glibc from mmapping (and page-faulting) every fresh buffer of 32 MiB or more.
 
-    On large gRPC payloads this measured 1.3-3x faster. mallopt applies in-process, so no
-    environment variable has to be set before the interpreter starts.
+    Measured on a 2-core x86-64 VM: large gRPC payloads moved 1.3-3x faster with these thresholds.
+    mallopt applies in-process, so no environment variable has to be set before the interpreter starts.
     """
     libc_name = ctypes.util.find_library("c")
     if not libc_name or "MALLOC_MMAP_THRESHOLD_" in os.environ:

@@ -14,7 +14,8 @@ from protos import encoder_pb2 as pb
 from encoder_common.errors import InvalidItemError
 
 from .batcher import Batcher
-from .cache import EmbeddingCache, ItemPayload
+from .cache import EmbeddingCache
+from .payload import ItemPayload
 from .config import ServerConfig
 from .images import decode_image
 from .models import PreparedImage, VisionEncoder

@@ -22,7 +22,7 @@ from encoder_server.sources import SourcePolicy
 from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli
 from encoder_server import precompute
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 # command -> (module, parser builder, env prefix, arguments a valid command line needs)
 COMMANDS = {
