@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 _spec = importlib.util.spec_from_file_location("gen_cli_reference", REPO_ROOT / "scripts" / "gen_cli_reference.py")
 gen_cli_reference = importlib.util.module_from_spec(_spec)
