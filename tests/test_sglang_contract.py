@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from encoder_common.errors import DeadlineExceededError, InvalidItemError, OverloadedError, UnsupportedModalityError
 from encoder_server.models import load_vision_encoder
+from encoder_server.sglang.config import SglangConfig
 from encoder_server.sglang.items import read_item, sniff_non_image
 from encoder_server.sglang.servicer import SEND_UNIMPLEMENTED, SERVICE_NAME, ReceiveUrls
 from encoder_server.sources import SourcePolicy
@@ -75,7 +76,7 @@ async def test_both_services_on_one_port_and_a_flag_turns_sglangs_off(server, de
     async with grpc.aio.insecure_channel(address) as channel:
         health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    async with running_server(default_model_dir, sglang=None) as plain:
+    async with running_server(default_model_dir, sglang=SglangConfig(serve=False)) as plain:
         plain_address = plain.url.removeprefix("grpc://")
         assert SERVICE_NAME not in await services(plain_address)
         async with grpc.aio.insecure_channel(plain_address) as channel:

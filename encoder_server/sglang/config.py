@@ -1,18 +1,28 @@
-"""Settings of the SGLang contract's servicer, part of the server's ServerConfig."""
+"""Settings of SGLang's contract on the server, a section of ServerConfig (flags `--sglang-*`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from encoder_common.env_flags import flag
 
 
 @dataclass(frozen=True, kw_only=True)
 class SglangConfig:
+    serve: bool = field(
+        default=True,
+        metadata=flag("do not serve SGLang's encoder contract (sglang.grpc.encoder) on the port", name="--no-sglang-service"),
+    )
     # A ZMQ push first waits for a connection to the receiver's socket (the receiver binds it
     # before calling Encode, so this is short: a receiver that gave up must not hold a call long),
     # then for its bytes to be handed over.
-    connect_timeout_s: float = 3.0
-    push_timeout_s: float = 30.0
+    connect_timeout_s: float = field(
+        default=3.0, metadata=flag("give up a ZMQ push when the SGLang receiver's socket does not connect by then")
+    )
+    push_timeout_s: float = field(default=30.0, metadata=flag("time limit of one ZMQ push to an SGLang receiver"))
     # zmq_to_scheduler: how long an Encode waits for its SchedulerReceiveUrl registrations, and how
     # long registrations whose Encode never comes are kept.
-    receive_url_timeout_s: float = 60.0
+    receive_url_timeout_s: float = field(
+        default=60.0, metadata=flag("zmq_to_scheduler: how long an Encode waits for its ranks' receive URLs")
+    )
     max_pending_registrations: int = 10_000

@@ -11,6 +11,7 @@ instead of waiting for its timeout. The RPC's status says the same.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import time
@@ -34,8 +35,10 @@ from protos import encoder_pb2 as pb
 from protos import sglang_encoder_pb2 as sglang_pb
 from protos import wire
 
+from ..config import ServerConfig
+from ..metrics import ServerMetrics
 from ..payload import ItemPayload
-from ..servicer import EncoderServicer
+from ..pipeline import ItemPipeline
 from .config import SglangConfig
 from .embedding_data import HTTP_BAD_REQUEST, PartMeta, embedding_data_pickle
 from .items import read_item
@@ -142,12 +145,14 @@ class _Part:
 
 
 class SglangEncoderServicer:
-    """Serves SGLang's contract on top of a native EncoderServicer (same model, cache, batcher, metrics)."""
+    """Serves SGLang's contract with the native Encode's item pipeline (same cache, batcher) and metrics."""
 
-    def __init__(self, native: EncoderServicer, config: SglangConfig):
-        self.native = native
-        self.config = config
-        self.receive_urls = ReceiveUrls(config.receive_url_timeout_s, config.max_pending_registrations)
+    def __init__(self, pipeline: ItemPipeline, server_config: ServerConfig, metrics: ServerMetrics):
+        self.pipeline = pipeline
+        self.server_config = server_config
+        self.config: SglangConfig = server_config.sglang
+        self.metrics = metrics
+        self.receive_urls = ReceiveUrls(self.config.receive_url_timeout_s, self.config.max_pending_registrations)
         self._zmq = zmq.Context()
         self._background: set[asyncio.Future] = set()
 
@@ -187,10 +192,10 @@ class SglangEncoderServicer:
     ) -> sglang_pb.EncodeResponse:
         """One part, accounted like a native Encode call: encoded, then pushed to its receiver(s). On
         any failure, the call's cancellation included, the receiver is told (see _tell_failure)."""
-        with self.native.metrics.record(request.req_id, len(request.mm_items), context) as record:
+        with self.metrics.record(request.req_id, len(request.mm_items), context) as record:
             endpoints: list[str] = []
             try:
-                _check(request, self.native.config.max_items_per_request)
+                _check(request, self.server_config.max_items_per_request)
                 endpoints = [_endpoint(request.prefill_host, port) for port in request.embedding_port]
                 part = await self._encode_part(request)
                 if not endpoints:  # zmq_to_scheduler: the receiving ranks register their URLs
@@ -207,18 +212,18 @@ class SglangEncoderServicer:
                 raise
             finally:
                 self.receive_urls.forget(request.req_id)
-            record.bytes += (len(part.meta) + len(part.tensor)) * len(endpoints)
-            for header in part.headers:
-                record.item_done(header, push_s)
+            for index, header in enumerate(part.headers):
+                frames = header.payload_bytes + (len(part.meta) if index == 0 else 0)
+                record.item_sent(header, response_bytes=frames * len(endpoints), stream_s=push_s)
         return sglang_pb.EncodeResponse(embedding_size=len(part.tensor), embedding_len=part.tokens, embedding_dim=part.width)
 
     async def _encode_part(self, request: sglang_pb.EncodeRequest) -> _Part:
         """Reads, admits and encodes a part's items (through the cache and batcher), then joins them."""
-        native = self.native
+        pipeline = self.pipeline
         loop = asyncio.get_running_loop()
-        native.check_room(len(request.mm_items))  # before any decoding: refusals under overload stay fast
-        policy = native.config.sources
-        reads = [loop.run_in_executor(native.preprocess_pool, read_item, item, policy) for item in request.mm_items]
+        pipeline.check_room(len(request.mm_items))  # before any decoding: refusals under overload stay fast
+        policy = self.server_config.sources
+        reads = [loop.run_in_executor(pipeline.preprocess_pool, read_item, item, policy) for item in request.mm_items]
         try:
             datas = await asyncio.gather(*reads)
         except UnsupportedModalityError:
@@ -226,13 +231,9 @@ class SglangEncoderServicer:
         except InvalidItemError as exc:
             failed = next(i for i, r in enumerate(reads) if r.done() and r.exception() is exc)
             raise InvalidItemError(f"item {failed}: {exc}") from None
-        tasks = native.admit([pb.ImageItem(index=i, modality=pb.IMAGE, data=d) for i, d in enumerate(datas)])
-        try:
-            results: list[tuple[ItemPayload, bool]] = [await task for task in tasks]
-        finally:
-            for task in tasks:
-                task.cancel()  # no-op for finished ones; the rest leave the queue
-        return _join(request, [payload for payload, _ in results])
+        items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=data) for i, data in enumerate(datas)]
+        async with contextlib.aclosing(pipeline.payloads(items)) as payloads:
+            return _join(request, [payload async for _, payload, _ in payloads])
 
     async def _push(self, endpoint: str, frames: list[bytes], timeout_s: float | None = None) -> None:
         loop = asyncio.get_running_loop()
