@@ -28,7 +28,9 @@ def test_llm_generate_with_helper_inputs_equals_raw_images(default_model_dir, tm
             timeout=900,
         )
     assert run.returncode == 0, run.stderr[-5000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    results = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, run.stdout[-5000:] + run.stderr[-5000:]
+    report = json.loads(results[-1].removeprefix("RESULT "))
     print(f"\nLLM.generate: ids {report['raw_ids']}, largest logprob difference {report['largest_difference']:.2e}")
     assert report["embedded_ids"] == report["raw_ids"]
     assert report["largest_difference"] <= 1e-4
