@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
 
 from encoder_common.env_flags import EnvDefaultsParser
@@ -101,7 +102,11 @@ async def serve(config) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(config_from_args(args)))
+    try:
+        asyncio.run(serve(config_from_args(args)))
+    except (ValueError, OSError) as exc:  # a family vLLM cannot take, an unreadable TLS file, a busy port
+        print(f"encoder-gateway: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

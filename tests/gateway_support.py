@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from testkit.support import image_bytes
+from testkit.vllm_server import ENGINES_PYTHON, VllmServer, launch_vllm
 
 MAX_TOKENS = 8
 TOP_LOGPROBS = 5
+
+
+@contextlib.contextmanager
+def engine_server(model_dir: Path, log_dir: Path) -> Iterator[VllmServer]:
+    """vLLM on `model_dir`; fails (never skips) without .venv-engines, since CI must run these tests."""
+    if not ENGINES_PYTHON.exists():
+        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
+    with launch_vllm(model_dir, log_path=log_dir / "vllm.log") as server:
+        yield server
 
 
 def data_url(png: bytes) -> str:

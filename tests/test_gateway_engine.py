@@ -14,8 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part
 from receiver import EncoderReceiver
 from testkit.support import running_server
-from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
-from tests.gateway_support import chat_request, complete, image_part, images, largest_difference
+from tests.gateway_support import chat_request, complete, engine_server, image_part, images, largest_difference
 
 pytestmark = pytest.mark.engine
 
@@ -24,9 +23,7 @@ TOLERANCE = 1e-4  # float32 engine and encoders; the towers differ only in kerne
 
 @pytest.fixture(scope="module")
 def vllm(default_model_dir, tmp_path_factory):
-    if not ENGINES_PYTHON.exists():
-        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
-    with launch_vllm(default_model_dir, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log") as server:
+    with engine_server(default_model_dir, tmp_path_factory.mktemp("vllm")) as server:
         yield server
 
 

@@ -13,8 +13,7 @@ from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.support import running_server
-from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
-from tests.gateway_support import chat_request, complete, image_part, images, largest_difference
+from tests.gateway_support import chat_request, complete, engine_server, image_part, images, largest_difference
 
 pytestmark = pytest.mark.engine
 
@@ -31,9 +30,7 @@ def qwen3_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm(qwen3_model, tmp_path_factory):
-    if not ENGINES_PYTHON.exists():
-        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
-    with launch_vllm(qwen3_model, log_path=tmp_path_factory.mktemp("vllm-qwen3") / "vllm.log") as server:
+    with engine_server(qwen3_model, tmp_path_factory.mktemp("vllm-qwen3")) as server:
         yield server
 
 
