@@ -29,24 +29,50 @@ def build_parser() -> EnvDefaultsParser:
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=9000, help="port to listen on (0: any free port)")
-    p.add_argument("--encode-timeout", type=float, default=60.0, help="deadline of one request's encode, seconds")
-    p.add_argument("--engine-timeout", type=float, default=None, help="deadline of one engine call, seconds (default: none)")
-    p.add_argument("--file-roots", default="", help="directories file:// image URLs may read from, comma-separated (default: file:// refused)")
+    p.add_argument(
+        "--encode-timeout", type=float, default=60.0, help="deadline of one request's encode, seconds"
+    )
+    p.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=None,
+        help="deadline of one engine call, seconds (default: none)",
+    )
+    p.add_argument(
+        "--file-roots",
+        default="",
+        help="directories file:// image URLs may read from, comma-separated (default: file:// refused)",
+    )
     p.add_argument(
         "--allow-internal-urls",
         action="store_true",
         help="let http(s) image URLs reach loopback, private and link-local addresses (refused by default)",
     )
-    p.add_argument("--max-fetch-bytes", type=int, default=32 << 20, help="largest image accepted from a URL or file")
-    p.add_argument("--fetch-timeout", type=float, default=10.0, help="time limit of one http(s) image download, seconds")
+    p.add_argument(
+        "--max-fetch-bytes", type=int, default=32 << 20, help="largest image accepted from a URL or file"
+    )
+    p.add_argument(
+        "--fetch-timeout", type=float, default=10.0, help="time limit of one http(s) image download, seconds"
+    )
     p.add_argument(
         "--pass-non-image",
         action="store_true",
         help="forward video/audio parts to the engine untouched instead of answering 400",
     )
-    p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 503 for overloaded encoders")
-    p.add_argument("--transfer", default="auto", choices=["auto", "shm", "grpc"], help="how embeddings come back from encoders")
-    p.add_argument("--tls-ca", default=None, help="PEM file of the CAs to trust for grpcs:// encoders (default: the system's)")
+    p.add_argument(
+        "--retry-after", type=int, default=1, help="Retry-After seconds of a 503 for overloaded encoders"
+    )
+    p.add_argument(
+        "--transfer",
+        default="auto",
+        choices=["auto", "shm", "grpc"],
+        help="how embeddings come back from encoders",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM file of the CAs to trust for grpcs:// encoders (default: the system's)",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM client certificate for mTLS to the encoders")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--auth-token", default=None, help="bearer token sent to the encoders")
@@ -101,7 +127,9 @@ async def serve(config) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         asyncio.run(serve(config_from_args(args)))
     except (ValueError, OSError) as exc:  # a family vLLM cannot take, an unreadable TLS file, a busy port

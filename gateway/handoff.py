@@ -81,12 +81,17 @@ class InlineEmbedsHandoff:
 def multi_modal_data(result: EncodeResult | Sequence[ItemResult]) -> dict[str, Any]:
     """The `multi_modal_data` for vLLM's `LLM.generate` / `AsyncLLM.generate` from encoded items:
 
-        result = await receiver.encode(request_id, items)
-        prompt = {"prompt": text, "multi_modal_data": multi_modal_data(result)}
-        outputs = llm.generate(prompt, sampling_params)
+    result = await receiver.encode(request_id, items)
+    prompt = {"prompt": text, "multi_modal_data": multi_modal_data(result)}
+    outputs = llm.generate(prompt, sampling_params)
     """
     items = result.items if isinstance(result, EncodeResult) else list(result)
     if not items:
         return {}
     grid = torch.tensor([_grid(item) for item in items], dtype=torch.int64)
-    return {"image": {"image_embeds": torch.cat([engine_embedding(item) for item in items]), "image_grid_thw": grid}}
+    return {
+        "image": {
+            "image_embeds": torch.cat([engine_embedding(item) for item in items]),
+            "image_grid_thw": grid,
+        }
+    }

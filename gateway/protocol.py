@@ -74,7 +74,9 @@ def image_parts(body: Mapping[str, Any], *, pass_non_image: bool = False) -> lis
     return found
 
 
-def replace_parts(body: Mapping[str, Any], replacements: Mapping[ImagePart, Mapping[str, Any]]) -> dict[str, Any]:
+def replace_parts(
+    body: Mapping[str, Any], replacements: Mapping[ImagePart, Mapping[str, Any]]
+) -> dict[str, Any]:
     """A copy of the request with each listed part replaced; the parts keep a client-given `uuid`."""
     rewritten = dict(body)
     messages = list(body["messages"])

@@ -47,7 +47,9 @@ class VllmServer:
 
 
 @contextlib.contextmanager
-def launch_vllm(model_dir: str | Path, *, log_path: Path, max_images: int = 5, timeout: float = 900.0) -> Iterator[VllmServer]:
+def launch_vllm(
+    model_dir: str | Path, *, log_path: Path, max_images: int = 5, timeout: float = 900.0
+) -> Iterator[VllmServer]:
     """`vllm serve` (as python -m vllm.entrypoints.openai.api_server) in float32 with embedding inputs
     enabled, on 127.0.0.1; returns once /health answers 200; stopped on exit."""
     port = free_port()
@@ -58,7 +60,9 @@ def launch_vllm(model_dir: str | Path, *, log_path: Path, max_images: int = 5, t
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     with log_path.open("w") as log_file:
-        process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=engines_env(), start_new_session=True)
+        process = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, env=engines_env(), start_new_session=True
+        )
         server = VllmServer(process, f"http://127.0.0.1:{port}", log_path)
         try:
             deadline = time.monotonic() + timeout

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import sys
 
 import aiohttp
 import pytest
@@ -22,7 +24,7 @@ from gateway.sources import SourcePolicy
 from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.gated_encoder import GatedEncoder
-from testkit.support import image_bytes, running_server
+from testkit.support import REPO_ROOT, image_bytes, running_server
 from testkit.vllm_server import free_port
 from tests.gateway_support import chat_request, data_url, image_part
 
@@ -31,7 +33,9 @@ from tests.gateway_support import chat_request, data_url, image_part
 async def gateway(encoders: list[str], engine_url: str | None = None, **options):
     """A gateway on 127.0.0.1; by default its engine URL is a port nothing listens on."""
     engine_url = engine_url or f"http://127.0.0.1:{free_port()}"
-    config = GatewayConfig(engine_url=engine_url, encoders=tuple(encoders), host="127.0.0.1", port=0, **options)
+    config = GatewayConfig(
+        engine_url=engine_url, encoders=tuple(encoders), host="127.0.0.1", port=0, **options
+    )
     runner, port = await start(config)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -52,7 +56,13 @@ async def encoder(default_model_dir):
 
 
 async def test_bad_image_is_400_naming_message_and_part(encoder):
-    body = chat_request("m", [image_part(image_bytes(64, 64)), {"type": "image_url", "image_url": {"url": data_url(b"not an image")}}])
+    body = chat_request(
+        "m",
+        [
+            image_part(image_bytes(64, 64)),
+            {"type": "image_url", "image_url": {"url": data_url(b"not an image")}},
+        ],
+    )
     async with gateway([encoder]) as url:
         status, _, reply = await post(url, body)
     assert status == 400
@@ -65,7 +75,9 @@ async def test_unreadable_data_uri_is_400_naming_the_part(encoder):
     body = chat_request("m", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}])
     async with gateway([encoder]) as url:
         status, _, reply = await post(url, body)
-    assert status == 400 and reply["error"]["message"].startswith("message 0 part 0: data: URI has invalid base64")
+    assert status == 400 and reply["error"]["message"].startswith(
+        "message 0 part 0: data: URI has invalid base64"
+    )
 
 
 async def test_non_image_part_is_400_with_the_image_only_rule(encoder):
@@ -95,7 +107,9 @@ async def test_no_encoder_reachable_is_503():
 
 async def test_all_encoders_overloaded_is_503_with_retry_after(default_model_dir):
     gated = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
-    async with running_server(default_model_dir, encoder=gated, batching=BatchingConfig(max_queue_items=1)) as server:
+    async with running_server(
+        default_model_dir, encoder=gated, batching=BatchingConfig(max_queue_items=1)
+    ) as server:
         gated.hold()
         async with EncoderReceiver([server.url]) as direct:
             blocker = asyncio.create_task(direct.encode("blocker", [{"data": image_bytes(56, 56, seed=1)}]))
@@ -107,7 +121,9 @@ async def test_all_encoders_overloaded_is_503_with_retry_after(default_model_dir
                 await asyncio.sleep(0.05)
             try:
                 async with gateway([server.url], retry_after_s=7) as url:
-                    status, headers, reply = await post(url, chat_request("m", [image_part(image_bytes(56, 56, seed=3))]))
+                    status, headers, reply = await post(
+                        url, chat_request("m", [image_part(image_bytes(56, 56, seed=3))])
+                    )
             finally:
                 gated.release()
             await asyncio.gather(blocker, queued)
@@ -138,10 +154,9 @@ async def image_site(png: bytes):
     app.router.add_get("/redirect", redirect)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
 
@@ -159,10 +174,14 @@ async def test_fetch_refuses_redirects_and_allows_internal_only_when_told():
     png = image_bytes(32, 32)
     async with image_site(png) as site:
         with pytest.raises(InvalidItemError, match="loopback"):
-            await asyncio.to_thread(fetch_http, f"{site}/image.png", max_bytes=1 << 20, timeout_s=5, allow_internal=False)
+            await asyncio.to_thread(
+                fetch_http, f"{site}/image.png", max_bytes=1 << 20, timeout_s=5, allow_internal=False
+            )
         assert await asyncio.to_thread(fetch_http, f"{site}/image.png", max_bytes=1 << 20, timeout_s=5) == png
         with pytest.raises(InvalidItemError, match="redirect"):
-            await asyncio.to_thread(fetch_http, f"{site}/redirect", max_bytes=1 << 20, timeout_s=5, follow_redirects=False)
+            await asyncio.to_thread(
+                fetch_http, f"{site}/redirect", max_bytes=1 << 20, timeout_s=5, follow_redirects=False
+            )
         with pytest.raises(InvalidItemError, match="over the limit"):
             await asyncio.to_thread(fetch_http, f"{site}/image.png", max_bytes=100, timeout_s=5)
 
@@ -183,12 +202,18 @@ async def test_file_urls_only_under_roots(encoder, tmp_path):
     outside = tmp_path / "b.png"
     outside.write_bytes(image_bytes(64, 64))
     async with gateway([encoder], sources=SourcePolicy(file_roots=(tmp_path / "inside",))) as url:
-        status, _, reply = await post(url, chat_request("m", [{"type": "image_url", "image_url": {"url": outside.as_uri()}}]))
+        status, _, reply = await post(
+            url, chat_request("m", [{"type": "image_url", "image_url": {"url": outside.as_uri()}}])
+        )
         assert status == 400 and "outside the allowed directories" in reply["error"]["message"]
-        status, _, reply = await post(url, chat_request("m", [{"type": "image_url", "image_url": {"url": inside.as_uri()}}]))
+        status, _, reply = await post(
+            url, chat_request("m", [{"type": "image_url", "image_url": {"url": inside.as_uri()}}])
+        )
         assert status == 502, reply  # read and encoded; the engine is down
     async with gateway([encoder]) as url:
-        status, _, reply = await post(url, chat_request("m", [{"type": "image_url", "image_url": {"url": inside.as_uri()}}]))
+        status, _, reply = await post(
+            url, chat_request("m", [{"type": "image_url", "image_url": {"url": inside.as_uri()}}])
+        )
         assert status == 400 and "file:// URLs are disabled" in reply["error"]["message"]
 
 
@@ -209,3 +234,28 @@ def test_config_from_the_environment(monkeypatch):
     assert config.engine_url == "http://engine:8000"
     assert config.encoders == ("grpc://a:1", "grpc://b:2")
     assert config.sources.allow_internal_urls and config.auth_token == "secret"
+
+
+async def test_command_serves_health_and_stops_on_sigterm():
+    """`python -m gateway` (the encoder-gateway command): ready line, /health naming what is down, clean stop."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", "0",
+        "--engine-url", f"http://127.0.0.1:{free_port()}", "--encoders", f"grpc://127.0.0.1:{free_port()}",
+        cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode()
+        match = re.match(r"encoder-gateway ready on 127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{match.group(1)}/health") as reply:
+                state = await reply.json()
+                assert reply.status == 503
+        assert state["engine"]["status"] == "unreachable"
+        assert list(state["encoders"].values()) == ["NOT_SERVING"]
+        process.terminate()
+        assert await asyncio.wait_for(process.wait(), 60) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -13,7 +13,14 @@ from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.support import running_server
-from tests.gateway_support import chat_request, complete, engine_server, image_part, images, largest_difference
+from tests.gateway_support import (
+    chat_request,
+    complete,
+    engine_server,
+    image_part,
+    images,
+    largest_difference,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -25,7 +32,9 @@ SIZES = [(128, 128), (320, 192)]
 @pytest.fixture(scope="module")
 def qwen3_model(tmp_path_factory):
     # vocab 320: room for the 256 byte tokens beside the special tokens at 250-255.
-    return write_engine_files(write_checkpoint("qwen3_vl", tmp_path_factory.mktemp("qwen3-vl"), vocab_size=320))
+    return write_engine_files(
+        write_checkpoint("qwen3_vl", tmp_path_factory.mktemp("qwen3-vl"), vocab_size=320)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +49,12 @@ async def test_qwen3_vl_deepstack_reaches_vllm(qwen3_model, vllm, stream):
     async with running_server(qwen3_model) as encoder:
         async with EncoderReceiver([encoder.url]) as receiver:
             item = (await receiver.encode("probe", [{"data": pngs[0]}])).items[0]
-        assert item.deepstack is not None and item.deepstack.shape[0] == 2  # the checkpoint's two deepstack layers
-        runner, port = await start(GatewayConfig(engine_url=vllm.url, encoders=(encoder.url,), host="127.0.0.1", port=0))
+        assert (
+            item.deepstack is not None and item.deepstack.shape[0] == 2
+        )  # the checkpoint's two deepstack layers
+        runner, port = await start(
+            GatewayConfig(engine_url=vllm.url, encoders=(encoder.url,), host="127.0.0.1", port=0)
+        )
         try:
             body = chat_request(str(qwen3_model), [image_part(png) for png in pngs], stream=stream)
             async with aiohttp.ClientSession() as session:
@@ -50,5 +63,7 @@ async def test_qwen3_vl_deepstack_reaches_vllm(qwen3_model, vllm, stream):
         finally:
             await runner.cleanup()
     difference = largest_difference(through_gateway, direct)
-    print(f"\nQwen3-VL, 2 images, stream={stream}: {len(direct)} tokens equal, largest logprob difference {difference:.2e}")
+    print(
+        f"\nQwen3-VL, 2 images, stream={stream}: {len(direct)} tokens equal, largest logprob difference {difference:.2e}"
+    )
     assert difference <= 1e-4
