@@ -69,13 +69,15 @@ def build_parser() -> EnvDefaultsParser:
         help="how embeddings come back from encoders",
     )
     p.add_argument(
-        "--tls-ca",
-        default=None,
-        help="PEM file of the CAs to trust for grpcs:// encoders (default: the system's)",
+        "--tls-ca-file", default=None, help="PEM CAs to trust for grpcs:// encoders (default: the system's)"
     )
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate for mTLS to the encoders")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--auth-token", default=None, help="bearer token sent to the encoders")
+    p.add_argument("--tls-cert-file", default=None, help="PEM client certificate for mTLS to the encoders")
+    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file whose first line is the bearer token sent to the encoders",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
@@ -87,8 +89,16 @@ def config_from_args(args):
     from .sources import SourcePolicy
 
     tls = None
-    if args.tls_ca or args.tls_cert or args.tls_key:
-        tls = ClientTls.from_files(ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key)
+    if args.tls_ca_file or args.tls_cert_file or args.tls_key_file:
+        tls = ClientTls.from_files(
+            ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file
+        )
+    auth_token = None
+    if args.auth_token_file:
+        lines = Path(args.auth_token_file).read_text().splitlines()
+        auth_token = lines[0].strip() if lines else ""
+        if not auth_token:
+            raise ValueError(f"{args.auth_token_file} holds no token")
     return GatewayConfig(
         engine_url=args.engine_url,
         encoders=tuple(url.strip() for url in args.encoders.split(",") if url.strip()),
@@ -105,7 +115,7 @@ def config_from_args(args):
         pass_non_image=args.pass_non_image,
         retry_after_s=args.retry_after,
         tls=tls,
-        auth_token=args.auth_token,
+        auth_token=auth_token,
         transfer=args.transfer,
     )
 

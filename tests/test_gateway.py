@@ -24,9 +24,10 @@ from gateway.sources import SourcePolicy
 from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.gated_encoder import GatedEncoder
-from testkit.support import REPO_ROOT, image_bytes, running_server
+from testkit.support import REPO_ROOT, image_bytes, running_server, server_process
 from testkit.vllm_server import free_port
 from tests.gateway_support import chat_request, data_url, image_part
+from tests.test_security import TOKEN, pki, token_file  # noqa: F401  (fixtures)
 
 
 @contextlib.asynccontextmanager
@@ -225,15 +226,39 @@ async def test_start_up_refuses_a_family_vllm_cannot_take_embeddings_of(tmp_path
                 pass
 
 
-def test_config_from_the_environment(monkeypatch):
+def test_config_from_the_environment(monkeypatch, tmp_path):
+    (tmp_path / "token").write_text("secret\n")
     monkeypatch.setenv("ENCODER_GATEWAY_ENGINE_URL", "http://engine:8000")
     monkeypatch.setenv("ENCODER_GATEWAY_ENCODERS", "grpc://a:1, grpc://b:2")
     monkeypatch.setenv("ENCODER_GATEWAY_ALLOW_INTERNAL_URLS", "true")
-    monkeypatch.setenv("ENCODER_GATEWAY_AUTH_TOKEN", "secret")
+    monkeypatch.setenv("ENCODER_GATEWAY_AUTH_TOKEN_FILE", str(tmp_path / "token"))
     config = config_from_args(build_parser().parse_args([]))
     assert config.engine_url == "http://engine:8000"
     assert config.encoders == ("grpc://a:1", "grpc://b:2")
     assert config.sources.allow_internal_urls and config.auth_token == "secret"
+
+
+async def test_mtls_and_token_flags_reach_the_encoders(default_model_dir, pki, token_file, tmp_path):
+    """An encoder serving mTLS with a bearer token: the gateway's TLS and token flags get the image encoded
+    (the request then reaches the engine, down here: 502); without the token the encoder refuses it."""
+    flags = ["--dtype", "float32", "--tls-cert-file", str(pki.server.cert_file), "--tls-key-file",
+             str(pki.server.key_file), "--tls-client-ca-file", str(pki.ca.cert_file), "--auth-token-file", str(token_file)]  # fmt: skip
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    with server_process(default_model_dir, *flags, log_dir=tmp_path) as encoder:
+        common = ["--engine-url", f"http://127.0.0.1:{free_port()}", "--encoders", f"grpcs://127.0.0.1:{encoder.port}",
+                  "--tls-ca-file", str(pki.ca.cert_file), "--tls-cert-file", str(pki.client.cert_file),
+                  "--tls-key-file", str(pki.client.key_file), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
+        body = chat_request("m", [image_part(image_bytes(56, 56))])
+        for extra, expected in (
+            (["--auth-token-file", str(tmp_path / "token")], "the engine at"),
+            ([], "UNAUTHENTICATED"),
+        ):
+            runner, port = await start(config_from_args(build_parser().parse_args([*common, *extra])))
+            try:
+                status, _, reply = await post(f"http://127.0.0.1:{port}", body)
+            finally:
+                await runner.cleanup()
+            assert status == 502 and expected in reply["error"]["message"], reply
 
 
 async def test_command_serves_health_and_stops_on_sigterm():
