@@ -133,6 +133,28 @@ async def test_all_encoders_overloaded_is_503_with_retry_after(default_model_dir
     assert "overloaded" in reply["error"]["message"]
 
 
+async def test_client_disconnect_during_encode_cancels_the_encode_call(default_model_dir):
+    gated = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    async with running_server(default_model_dir, encoder=gated) as server, gateway([server.url]) as url:
+        gated.hold()
+        try:
+            client = aiohttp.ClientSession()
+            body = chat_request("m", [image_part(image_bytes(56, 56, seed=5))])
+            sent = asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=body))
+            assert await asyncio.to_thread(gated.in_forward.wait, 30), "the encode never reached the forward"
+            sent.cancel()
+            await client.close()  # the client goes away while its image is being encoded
+            cancelled = {"outcome": "cancelled", "code": "CANCELLED"}
+            for _ in range(200):
+                if server.metrics.registry.get_sample_value("encoder_requests_total", cancelled):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the encoder's Encode call was not cancelled after the client disconnected")
+        finally:
+            gated.release()
+
+
 async def test_engine_down_is_502(encoder):
     async with gateway([encoder]) as url:
         status, _, reply = await post(url, chat_request("m", [image_part(image_bytes(64, 64))]))
