@@ -20,6 +20,7 @@ from encoder_server.models import load_vision_encoder
 from gateway.app import start
 from gateway.cli import build_parser, config_from_args
 from gateway.config import GatewayConfig
+from gateway.protocol import image_parts, replace_parts
 from gateway.sources import SourcePolicy
 from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
@@ -54,6 +55,29 @@ async def post(url: str, body) -> tuple[int, dict, dict]:
 async def encoder(default_model_dir):
     async with running_server(default_model_dir) as server:
         yield server.url
+
+
+def test_image_parts_found_and_replaced_in_place():
+    body = {
+        "messages": [
+            {"role": "system", "content": "plain text"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "data:,x"}, "uuid": "client-id"},
+                {"type": "input_image", "image_url": "data:,y"},
+                {"type": "image_embeds", "image_embeds": {"image_embeds": "..."}},
+            ]},
+        ]
+    }  # fmt: skip
+    parts = image_parts(body)
+    assert [(p.message_index, p.part_index, p.url) for p in parts] == [(1, 1, "data:,x"), (1, 2, "data:,y")]
+    new = replace_parts(body, {part: {"type": "image_embeds", "n": i} for i, part in enumerate(parts)})
+    assert new["messages"][1]["content"][1:3] == [
+        {"type": "image_embeds", "n": 0, "uuid": "client-id"},
+        {"type": "image_embeds", "n": 1},
+    ]
+    assert body["messages"][1]["content"][1]["type"] == "image_url"  # the client's request is left as it was
+    assert new["messages"][1]["content"][3] is body["messages"][1]["content"][3]
 
 
 async def test_bad_image_is_400_naming_message_and_part(encoder):
