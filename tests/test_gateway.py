@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import subprocess
 import sys
 
 import aiohttp
@@ -330,3 +331,13 @@ async def test_command_serves_health_and_stops_on_sigterm():
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def test_receiver_and_the_in_process_helper_do_not_pull_in_the_http_stack():
+    check = (
+        "import sys, receiver, gateway.handoff; "
+        "assert 'aiohttp' not in sys.modules, 'aiohttp imported'; "
+        "assert 'gateway.app' not in sys.modules, 'gateway.app imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
