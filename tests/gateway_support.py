@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from testkit.support import image_bytes
+from testkit.images import image_bytes
 from testkit.vllm_server import ENGINES_PYTHON, VllmServer, launch_vllm
 
 MAX_TOKENS = 8

@@ -13,7 +13,7 @@ from gateway.app import start
 from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part
 from receiver import EncoderReceiver
-from testkit.support import running_server
+from testkit.servers import running_server
 from tests.gateway_support import (
     chat_request,
     complete,

@@ -12,7 +12,7 @@ from gateway.config import GatewayConfig
 from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
-from testkit.support import running_server
+from testkit.servers import running_server
 from tests.gateway_support import (
     chat_request,
     complete,
