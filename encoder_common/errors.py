@@ -37,6 +37,10 @@ class UnavailableError(EncoderError):
     """The server is not serving (starting, draining or shutting down)."""
 
 
+class NotFoundError(EncoderError):
+    """A Fetch named a key the server does not hold: never leased there, expired, evicted or fetched."""
+
+
 class UnauthenticatedError(EncoderError):
     """The call carried no valid credentials."""
 
@@ -64,6 +68,7 @@ STATUS_BY_ERROR: dict[type[EncoderError], grpc.StatusCode] = {
     OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     SharedMemoryUnavailableError: grpc.StatusCode.FAILED_PRECONDITION,
     TokenCountMismatchError: grpc.StatusCode.INTERNAL,
@@ -75,6 +80,7 @@ _ERROR_BY_STATUS: dict[grpc.StatusCode, type[EncoderError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 

@@ -14,6 +14,7 @@ from encoder_common.env_flags import EnvDefaultsParser
 
 def build_parser() -> argparse.ArgumentParser:
     from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
+    from .leases import DEFAULT_LEASE_MAX_BYTES, DEFAULT_LEASE_MAX_TTL_S
 
     p = EnvDefaultsParser(prog="encoder-server", env_prefix="ENCODER_", description="Serve a VLM's vision tower over gRPC.")
     p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", default=None, help="file of bearer tokens, one per line: calls must carry one")
     p.add_argument("--auth-protect-health", action="store_true", help="require the token on health probes too")
     p.add_argument("--cache-bytes", type=int, default=1 << 30, help="embedding cache size in bytes (0: no cache)")
+    p.add_argument(
+        "--lease-max-bytes", type=int, default=DEFAULT_LEASE_MAX_BYTES, help="bytes of items kept for Fetch at most (0: no leases)"
+    )
+    p.add_argument("--lease-max-ttl-s", type=float, default=DEFAULT_LEASE_MAX_TTL_S, help="longest lease granted, in seconds")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time for running calls on SIGTERM")
     p.add_argument(
         "--metrics-port", type=port_or_off, default="off", help="HTTP port of Prometheus /metrics ('off': none, 0: any free port)"
@@ -98,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from .batcher import BatchingConfig
     from .config import ServerConfig
+    from .leases import LeaseConfig
     from .server import serve
     from .sources import SourcePolicy
     from .tls import TlsConfig
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         max_request_bytes=int(args.max_request_bytes),
         max_image_pixels=int(args.max_image_pixels),
         cache_bytes=int(args.cache_bytes),
+        leases=LeaseConfig(max_bytes=int(args.lease_max_bytes), max_ttl_s=float(args.lease_max_ttl_s)),
         grace_seconds=float(args.grace_seconds),
         metrics_port=args.metrics_port,
         warmup=not args.no_warmup,

@@ -8,6 +8,7 @@ import torch
 
 from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
+from .leases import LeaseConfig
 from .shm import ShmConfig
 from .sources import SourcePolicy
 from .tls import TlsConfig
@@ -37,3 +38,4 @@ class ServerConfig:
     auth_token_file: str | None = None  # one token per line; None: no authentication
     auth_protect_health: bool = False  # also require the token on grpc.health.v1 probes
     shm: ShmConfig | None = None  # the same-host shared-memory path (--shm-transfer); None: off
+    leases: LeaseConfig = field(default_factory=LeaseConfig)  # items kept for Fetch (--lease-max-bytes 0: none)

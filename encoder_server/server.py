@@ -22,6 +22,7 @@ from .cache import EmbeddingCache, cache_namespace
 from .config import ServerConfig
 from .models.loading import has_random_weights
 from .interceptors import DrainGate
+from .leases import LeaseStore
 from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
 from .servicer import EncoderServicer, method_handlers
@@ -52,6 +53,7 @@ class EncoderServer:
         self._stopping = False
         self.shm: ShmSegments | None = None
         self.cache: EmbeddingCache | None = None
+        self.leases: LeaseStore | None = None
 
     @property
     def address(self) -> str:
@@ -101,6 +103,8 @@ class EncoderServer:
         if config.cache_bytes:
             self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec))
             self.metrics.watch_cache(self.cache.stats)
+        if config.leases.max_bytes > 0:
+            self.leases = LeaseStore(config.leases)
         servicer = EncoderServicer(
             self.encoder,
             self._batcher,
@@ -110,6 +114,7 @@ class EncoderServer:
             metrics=self.metrics,
             shm=self.shm,
             cache=self.cache,
+            leases=self.leases,
         )
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

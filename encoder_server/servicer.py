@@ -7,7 +7,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
 
 import grpc
@@ -17,13 +17,20 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from encoder_common.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
+from encoder_common.errors import (
+    EncoderError,
+    InvalidItemError,
+    NotFoundError,
+    UnsupportedModalityError,
+    status_for,
+)
 
 from . import __version__
 from .batcher import Batcher
-from .cache import EmbeddingCache, ItemPayload
+from .cache import EmbeddingCache, ItemPayload, cache_namespace, content_key
 from .config import ServerConfig
 from .images import decode_image
+from .leases import LeaseStore, parse_fetch_request
 from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
 from .shm import ShmCall, ShmSegments
@@ -53,6 +60,8 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
         max_items_per_request=config.max_items_per_request,
         max_request_bytes=config.max_request_bytes,
         server_version=__version__,
+        lease_max_bytes=config.leases.max_bytes,
+        lease_max_ttl_ms=int(config.leases.max_ttl_s * 1000),
     )
 
 
@@ -96,13 +105,13 @@ def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
 
 
 def _maps_errors(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
-    """Parses the raw request, then turns domain errors into their status code, and anything else
-    into a bare INTERNAL."""
+    """Parses the raw request (with the servicer's `parse_<method name>`), then turns domain errors into
+    their status code, and anything else into a bare INTERNAL."""
 
     @functools.wraps(method)
     async def wrapper(self, request: bytes, context: grpc.aio.ServicerContext):
         try:
-            request = parse_request(request)
+            request = getattr(self, f"parse_{method.__name__}")(request)
             async for message in method(self, request, context):
                 yield message
         except EncoderError as exc:
@@ -126,6 +135,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         metrics: ServerMetrics | None = None,
         shm: ShmSegments | None = None,
         cache: EmbeddingCache | None = None,
+        leases: LeaseStore | None = None,
     ):
         self.encoder = encoder
         self.batcher = batcher
@@ -133,12 +143,20 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.config = config
         self.shm = shm
         self.cache = cache
+        self.leases = leases
+        self.namespace = cache_namespace(encoder.spec)
         self.info = model_info(encoder.spec, config, random_weights)
         self.metrics = metrics or ServerMetrics()
         self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.info
+
+    def parse_Encode(self, raw: bytes) -> pb.EncodeRequest:
+        return parse_request(raw)
+
+    def parse_Fetch(self, raw: bytes) -> pb.FetchRequest:
+        return parse_fetch_request(raw, self.config.max_items_per_request)
 
     @_maps_errors
     @recorded
@@ -153,24 +171,43 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         tasks = [asyncio.ensure_future(self._item_payload(item)) for item in request.items]
         for task in tasks:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
+        lease_ms = request.lease.ttl_ms if request.HasField("lease") else None
+        if lease_ms is not None and self.leases is None:
+            raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
         shm = ShmCall(self.shm, request)
         try:
             for item, task in zip(request.items, tasks):
-                payload, cache_hit = await task
+                payload, cache_hit, key = await task
                 message = payload.header_message(item.index, cache_hit)
-                placed = shm.place(message.header, payload.payload_views())  # same host: no chunks follow
-                yield message
-                if not placed:
-                    for chunk in payload.chunks():
-                        yield chunk
+                if lease_ms is not None:
+                    message.header.lease.CopyFrom(self.leases.grant(key, payload, lease_ms))
+                for framed in _item_messages(shm, message, payload):
+                    yield framed
             shm.hand_over()
         finally:
             for task in tasks:
                 task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
             shm.close()  # takes back the segments of a call cancelled, failed or out of time
 
-    async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool]:
-        """An item's response and whether it came from the cache. Errors name the item."""
+    @_maps_errors
+    async def Fetch(self, request: pb.FetchRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
+        """Streams leased items in Encode's format; every key is looked up before the first message."""
+        if self.leases is None:
+            raise NotFoundError("this server grants no leases (--lease-max-bytes is 0): nothing to fetch")
+        payloads = [self.leases.get(key) for key in request.keys]
+        shm = ShmCall(self.shm, request)
+        try:
+            for index, payload in enumerate(payloads):
+                for framed in _item_messages(shm, payload.header_message(index, cache_hit=False), payload):
+                    yield framed
+            shm.hand_over()
+        finally:
+            shm.close()
+        for key in request.keys:
+            self.leases.fetched(key)
+
+    async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool, bytes | None]:
+        """An item's response, whether it came from the cache, and its content key. Errors name the item."""
         loop = asyncio.get_running_loop()
         admitted = _Admission(self)
         try:
@@ -178,21 +215,23 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 data, key = self._read_item(item)
             else:
                 data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item)
-            if key is None:  # the cache is off
-                return await self._compute(data, admitted), False
-            return await self.cache.get_or_compute(key, functools.partial(self._compute, data, admitted))
+            if self.cache is None:
+                return await self._compute(data, admitted), False, key
+            payload, cache_hit = await self.cache.get_or_compute(key, functools.partial(self._compute, data, admitted))
+            return payload, cache_hit, key
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
         finally:
             admitted.done()
 
     def _read_item(self, item: pb.ImageItem) -> tuple[bytes, bytes | None]:
-        """The item's bytes and, with the cache on, its cache key; on a preprocessing thread unless small."""
+        """The item's bytes and, with the cache or leases on, its content key; on a preprocessing thread
+        unless small."""
         data = item_bytes(item, self.config.sources)
-        if self.cache is None:
+        if self.cache is None and self.leases is None:
             return data, None
         # item_bytes has checked a client's content_sha256 against the bytes: no need to hash them again.
-        return data, self.cache.key(item.content_sha256 or hashlib.sha256(data).digest())
+        return data, content_key(self.namespace, item.content_sha256 or hashlib.sha256(data).digest())
 
     async def _compute(self, data: bytes, admitted: _Admission) -> ItemPayload:
         """Decode, preprocess, forward (batched with other calls' items) and frame one item."""
@@ -229,6 +268,14 @@ class _Admission:
             self.servicer._preprocessing -= 1
 
 
+def _item_messages(shm: ShmCall, header: pb.EncodeResponse, payload: ItemPayload) -> Iterator[pb.EncodeResponse | bytes]:
+    """One item's messages: its header, then its chunks unless the payload went into shared memory."""
+    placed = shm.place(header.header, payload.payload_views())  # same host: no chunks follow
+    yield header
+    if not placed:
+        yield from payload.chunks()
+
+
 def _retrieve_exception(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
@@ -244,6 +291,11 @@ def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:
             # INVALID_ARGUMENT instead of gRPC's INTERNAL for a failing deserializer.
             "Encode": grpc.unary_stream_rpc_method_handler(
                 servicer.Encode,
+                request_deserializer=None,
+                response_serializer=wire.serialize_response,
+            ),
+            "Fetch": grpc.unary_stream_rpc_method_handler(
+                servicer.Fetch,
                 request_deserializer=None,
                 response_serializer=wire.serialize_response,
             ),

@@ -16,6 +16,9 @@ from .buffers import POOL
 from .result import ItemResult
 from .shm import Placement
 
+# Makes the uninitialized tensor an item's payload is received into, from its shape and dtype.
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
 
 class StreamProtocolError(EncoderError):
     """The stream broke the contract: an unexpected item, a short payload, a size that does not add up."""
@@ -24,7 +27,7 @@ class StreamProtocolError(EncoderError):
 class ItemBuffer:
     """One item's payload, filled chunk by chunk in arrival order."""
 
-    def __init__(self, header: pb.ItemHeader):
+    def __init__(self, header: pb.ItemHeader, allocate: Allocator = POOL.empty):
         dtype = wire.TORCH_DTYPES.get(header.dtype)
         if dtype is None:
             raise StreamProtocolError(f"item {header.index}: unknown dtype {header.dtype}")
@@ -37,7 +40,7 @@ class ItemBuffer:
             )
         self.header = header
         self.dtype = dtype
-        self.tensor = POOL.empty((layers, header.num_tokens, header.hidden_size), dtype)
+        self.tensor = allocate((layers, header.num_tokens, header.hidden_size), dtype)
         self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
         self.filled = 0
 
@@ -70,11 +73,13 @@ class ShardAssembler:
         expected_indices: Collection[int],
         encoder_url: str,
         read_shm: Callable[[pb.ItemHeader, np.ndarray], Placement] | None = None,
+        allocate: Allocator = POOL.empty,
     ):
         self.expected = set(expected_indices)
         self.encoder_url = encoder_url
         self.items: dict[int, ItemResult] = {}
         self.read_shm = read_shm
+        self.allocate = allocate
         self.refetch: list[int] = []  # items whose shared-memory segment could not be used
         self._current: ItemBuffer | None = None
         self._started = time.perf_counter()
@@ -92,7 +97,7 @@ class ShardAssembler:
                 )
             if message.index not in self.expected or message.index in self.items or message.index in self.refetch:
                 raise StreamProtocolError(f"unexpected item index {message.index} in the stream")
-            self._current = ItemBuffer(message)
+            self._current = ItemBuffer(message, self.allocate)
             if self.read_shm is not None and self._current.fill_from_shm(self.read_shm) is Placement.REFETCH:
                 self.refetch.append(message.index)
                 self._current = None
@@ -111,6 +116,7 @@ class ShardAssembler:
             encoder_url=self.encoder_url,
             deepstack=buffer.tensor[1:] if header.num_deepstack_layers else None,
             cache_hit=header.cache_hit,
+            lease=header.lease if header.HasField("lease") else None,
             queue_ms=header.timing.queue_ms,
             preprocess_ms=header.timing.preprocess_ms,
             forward_ms=header.timing.forward_ms,

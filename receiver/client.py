@@ -15,10 +15,12 @@ import grpc
 from protos import encoder_pb2 as pb
 from encoder_common.errors import EncoderError, SharedMemoryUnavailableError, error_class_for
 
-from .assembly import ShardAssembler, StreamProtocolError
+from .assembly import Allocator, ShardAssembler, StreamProtocolError
+from .buffers import POOL
 from .channels import ClientTls, EncoderEndpoint
 from .discovery import DEFAULT_REFRESH_S, EncoderDiscovery, EndpointPool, Resolver, resolve_all
 from .errors import EncodeFailedError, ItemAttempt, ShardError
+from .fetch import fetch_leased
 from .health import FailoverPolicy, HealthTracker
 from .items import ImageSource, check_items, read_image_bytes
 from .metrics import ReceiverMetrics
@@ -159,6 +161,7 @@ class EncoderReceiver:
         *,
         num_items_assigned: Sequence[int] | None = None,
         timeout: float | None = None,
+        lease_ms: int | None = None,
     ) -> EncodeResult:
         """Encodes a request's image items; the result holds them in the order given.
 
@@ -173,6 +176,9 @@ class EncoderReceiver:
         InvalidItemError for an unreadable item or a bad precomputed one (before any Encode
         call), and EncodeFailedError (a ShardError listing what happened to each item) when an
         item is refused as invalid, no encoder can serve an item, or the deadline passes.
+
+        With `lease_ms`, each encoder keeps the items it encoded for a later `fetch` (by
+        `ItemResult.lease.key`) for that long at most; precomputed items get no lease.
         """
         check_items(items)
         started = time.perf_counter()
@@ -185,7 +191,9 @@ class EncoderReceiver:
             else:
                 sources = await asyncio.to_thread(self._read_sources, items, raw)
             budget = timeout if timeout is not None else self.timeout
-            await self._encode_sources(request_id, sources, num_items_assigned, time.monotonic() + budget, results)
+            await self._encode_sources(
+                request_id, sources, num_items_assigned, time.monotonic() + budget, results, lease_ms
+            )
         finally:
             done = len(results) == len(items)
             self.metrics.request_done(time.perf_counter() - started, list(results.values()) if done else None)
@@ -209,6 +217,7 @@ class EncoderReceiver:
         num_items_assigned: Sequence[int] | None,
         deadline: float,
         results: dict[int, ItemResult],
+        lease_ms: int | None = None,
     ) -> None:
         """Places items on encoders, and re-places those of every failed shard, until all are in `results`.
 
@@ -257,7 +266,9 @@ class EncoderReceiver:
                         encoder = encoders[shard.encoder]
                         indices = [to_place[i] for i in shard.items]
                         task = asyncio.create_task(
-                            self._run_shard(request_id, encoder, indices, sources, results, attempts, deadline)
+                            self._run_shard(
+                                request_id, encoder, indices, sources, results, attempts, deadline, lease_ms=lease_ms
+                            )
                         )
                         running[task] = encoder
                     to_place, assigned = [], None
@@ -326,6 +337,7 @@ class EncoderReceiver:
         attempts: dict[int, list[ItemAttempt]],
         deadline: float,
         offer_shm: bool = True,
+        lease_ms: int | None = None,
     ) -> ShardError | None:
         """One Encode call for `indices` on one encoder; stores each item as its last byte arrives.
 
@@ -348,6 +360,7 @@ class EncoderReceiver:
             request_id=request_id,
             items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=sources[i].data) for i in indices],
             shm=shm.offer() if shm is not None else None,
+            lease=pb.Lease(ttl_ms=lease_ms) if lease_ms is not None else None,
         )
         assembler = ShardAssembler(indices, endpoint.url, shm.reader(request_id) if shm is not None else None)
         remaining = deadline - time.monotonic()
@@ -378,7 +391,15 @@ class EncoderReceiver:
             watchdog.cancel()
         if assembler.refetch:  # their segments could not be read: the same items again, over the stream
             error = await self._run_shard(
-                request_id, endpoint, list(assembler.refetch), sources, results, attempts, deadline, offer_shm=False
+                request_id,
+                endpoint,
+                list(assembler.refetch),
+                sources,
+                results,
+                attempts,
+                deadline,
+                offer_shm=False,
+                lease_ms=lease_ms,
             )
             if error is not None:
                 return error
@@ -392,6 +413,33 @@ class EncoderReceiver:
                 message="stream ended before these items arrived",
             )
         return None
+
+
+    async def fetch(
+        self,
+        request_id: str,
+        key: bytes,
+        *,
+        prefer_url: str | None = None,
+        allocate: Allocator = POOL.empty,
+        timeout: float | None = None,
+    ) -> ItemResult:
+        """A leased item (see `encode(lease_ms=...)`) by its key, received into a tensor from `allocate`.
+
+        Asks `prefer_url` first (the encoder that encoded it), then the other encoders. Raises
+        receiver.fetch.FetchFailedError, with each encoder's answer, when none streams it.
+        """
+        endpoints = await self._endpoint_pool.endpoints()
+        budget = timeout if timeout is not None else self.timeout
+        return await fetch_leased(
+            endpoints,
+            request_id,
+            key,
+            deadline=time.monotonic() + budget,
+            prefer_url=prefer_url,
+            shm=self._shm,
+            allocate=allocate,
+        )
 
 
 class _StallWatch:

@@ -7,6 +7,8 @@ from functools import cached_property
 
 import torch
 
+from protos import encoder_pb2 as pb
+
 from .chunking import ItemsOffset, check_items_offset, chunk_bounds
 
 
@@ -19,6 +21,7 @@ class ItemResult:
     deepstack: torch.Tensor | None = None  # [num_deepstack_layers, num_tokens, hidden_size]
     cache_hit: bool = False
     precomputed: bool = False  # the caller supplied the embedding; no encoder ran
+    lease: pb.LeaseGrant | None = None  # set when encoded with a lease: the key a Fetch names it by
     queue_ms: float = 0.0
     preprocess_ms: float = 0.0
     forward_ms: float = 0.0
