@@ -13,13 +13,15 @@ from pathlib import Path
 import torch
 
 from encoder_server.models.loading import RANDOM_WEIGHTS_MARKER
+from testkit.engine_files import write_engine_files
 
 DEFAULT_MODEL_DIR = Path("models/default-qwen2_5_vl")
 SEED = 0
 
 
 def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size: int = 2048) -> Path:
-    """Builds the full tiny VLM (language model included), saves it in bf16, returns the directory."""
+    """Builds the full tiny VLM (language model included), saves it in bf16 with what an engine needs to
+    serve it, returns the directory."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -62,6 +64,7 @@ def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size:
     (out_dir / RANDOM_WEIGHTS_MARKER).write_text(
         "This checkpoint has deterministic random weights (seed 0): its embeddings have no meaning.\n"
     )
+    write_engine_files(out_dir)  # tokenizer, chat template, processor config: what vLLM needs to serve it
     return out_dir
 
 
