@@ -172,6 +172,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         for task in tasks:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         lease_ms = request.lease.ttl_ms if request.HasField("lease") else None
+        send_payloads = not request.lease.withhold_payload
         if lease_ms is not None and self.leases is None:
             raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
         shm = ShmCall(self.shm, request)
@@ -181,6 +182,9 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 message = payload.header_message(item.index, cache_hit)
                 if lease_ms is not None:
                     message.header.lease.CopyFrom(self.leases.grant(key, payload, lease_ms))
+                if not send_payloads:
+                    yield message
+                    continue
                 for framed in _item_messages(shm, message, payload):
                     yield framed
             shm.hand_over()

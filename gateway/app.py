@@ -16,7 +16,7 @@ from aiohttp import web
 from receiver import EncoderError, EncoderReceiver
 
 from .config import GatewayConfig
-from .handoff import Handoff, InlineEmbedsHandoff, check_family
+from .handoff import Handoff, check_family, handoff_for
 from .metrics import GatewayMetrics
 from .serving import ChatCompletionsService, GatewayError, engine_unreachable
 
@@ -149,7 +149,7 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
             await _check_encoders(receiver)
             app[SERVICE] = ChatCompletionsService(
                 receiver=receiver,
-                handoff=handoff or InlineEmbedsHandoff(),
+                handoff=handoff or handoff_for(config.handoff, lease_ttl_s=config.lease_ttl_s),
                 engine_url=config.engine_url,
                 session=session,
                 sources=config.sources,

@@ -45,6 +45,14 @@ def build_parser() -> EnvDefaultsParser:
     )
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 503 for overloaded encoders")
     p.add_argument("--transfer", default="auto", choices=["auto", "shm", "grpc"], help="how embeddings come back from encoders")
+    p.add_argument(
+        "--handoff",
+        default="inline",
+        choices=["inline", "connector"],
+        help="how embeddings reach vLLM: inline (image_embeds parts in the request) or connector (vLLM runs "
+        "receiver.vllm_connector as ec_consumer and fetches them from the encoders)",
+    )
+    p.add_argument("--lease-ttl", type=float, default=60.0, help="with --handoff connector: seconds encoders keep an item for the fetch")
     p.add_argument("--tls-ca", default=None, help="PEM file of the CAs to trust for grpcs:// encoders (default: the system's)")
     p.add_argument("--tls-cert", default=None, help="PEM client certificate for mTLS to the encoders")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -80,6 +88,8 @@ def config_from_args(args):
         tls=tls,
         auth_token=args.auth_token,
         transfer=args.transfer,
+        handoff=args.handoff,
+        lease_ttl_s=args.lease_ttl,
     )
 
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from receiver.fetch import item_uuid
 from receiver.result import EncodeResult, ItemResult
 
 # Families whose encoders' items vLLM takes as `image_embeds`, and whether the part carries the grid.
@@ -65,14 +66,55 @@ class Handoff(Protocol):
     tensors out of band and return parts that only name them.
     """
 
+    # Keyword arguments of EncoderReceiver.encode this hand-off needs (a lease, for one).
+    encode_options: Mapping[str, Any]
+
     async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]: ...
 
 
 class InlineEmbedsHandoff:
     """Sends each embedding inside the chat request, as base64(torch.save) in an `image_embeds` part."""
 
+    encode_options: Mapping[str, Any] = {}
+
     async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
         return await asyncio.to_thread(lambda: [image_embeds_part(item) for item in result.items])
+
+
+def leased_part(item: ItemResult) -> dict[str, Any]:
+    """One leased item as a metadata-only `image_embeds` part: its grid, and its lease key as the `uuid`
+    by which an ec_consumer vLLM's EncoderServiceConnector fetches it from the encoders."""
+    if item.lease is None:
+        raise ValueError(f"item {item.index} was encoded without a lease: nothing names it to the engine")
+    if item.deepstack is not None:
+        raise ValueError(f"item {item.index} has deepstack features, which the connector hand-off does not carry")
+    payload: dict[str, Any] = {}
+    if item.grid_thw:
+        payload["image_grid_thw"] = [int(x) for x in item.grid_thw]
+    return {"type": "image_embeds", "image_embeds": payload, "uuid": item_uuid(item.lease.key)}
+
+
+class ConnectorHandoff:
+    """Leaves each embedding on its encoder under a lease (the gateway receives headers only) and names
+    it in the chat request; vLLM's EncoderServiceConnector (receiver/vllm_connector.py) fetches it."""
+
+    def __init__(self, lease_ttl_s: float):
+        self.encode_options: Mapping[str, Any] = {"lease_ms": int(lease_ttl_s * 1000), "withhold_payloads": True}
+
+    async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
+        return [leased_part(item) for item in result.items]
+
+
+HANDOFFS = ("inline", "connector")
+
+
+def handoff_for(name: str, *, lease_ttl_s: float) -> Handoff:
+    """The hand-off a gateway is configured with by name."""
+    if name == "inline":
+        return InlineEmbedsHandoff()
+    if name == "connector":
+        return ConnectorHandoff(lease_ttl_s)
+    raise ValueError(f"unknown hand-off {name!r}; use one of {HANDOFFS}")
 
 
 def multi_modal_data(result: EncodeResult | Sequence[ItemResult]) -> dict[str, Any]:

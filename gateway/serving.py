@@ -118,7 +118,10 @@ class ChatCompletionsService:
         try:
             images = await asyncio.gather(*(asyncio.to_thread(part_bytes, part, self.sources) for part in parts))
             result = await self.receiver.encode(
-                request_id, [{"modality": "image", "data": data} for data in images], timeout=self.encode_timeout_s
+                request_id,
+                [{"modality": "image", "data": data} for data in images],
+                timeout=self.encode_timeout_s,
+                **self.handoff.encode_options,
             )
         except EncoderError as exc:
             error = encode_error(exc, parts, self.retry_after_s)

@@ -71,10 +71,12 @@ class EncodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("ttl_ms",)
+    __slots__ = ("ttl_ms", "withhold_payload")
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WITHHOLD_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     ttl_ms: int
-    def __init__(self, ttl_ms: _Optional[int] = ...) -> None: ...
+    withhold_payload: bool
+    def __init__(self, ttl_ms: _Optional[int] = ..., withhold_payload: _Optional[bool] = ...) -> None: ...
 
 class LeaseGrant(_message.Message):
     __slots__ = ("key", "ttl_ms")

@@ -162,6 +162,7 @@ class EncoderReceiver:
         num_items_assigned: Sequence[int] | None = None,
         timeout: float | None = None,
         lease_ms: int | None = None,
+        withhold_payloads: bool = False,
     ) -> EncodeResult:
         """Encodes a request's image items; the result holds them in the order given.
 
@@ -178,8 +179,13 @@ class EncoderReceiver:
         item is refused as invalid, no encoder can serve an item, or the deadline passes.
 
         With `lease_ms`, each encoder keeps the items it encoded for a later `fetch` (by
-        `ItemResult.lease.key`) for that long at most; precomputed items get no lease.
+        `ItemResult.lease.key`) for that long at most; precomputed items get no lease. With
+        `withhold_payloads` too, only the headers come back: each embedding is a tensor on the meta
+        device (shape and dtype, no data) and the payloads wait on the encoders for their Fetch.
         """
+        if withhold_payloads and lease_ms is None:
+            raise ValueError("withhold_payloads needs a lease (lease_ms): a withheld payload is only had by Fetch")
+        lease = pb.Lease(ttl_ms=lease_ms, withhold_payload=withhold_payloads) if lease_ms is not None else None
         check_items(items)
         started = time.perf_counter()
         results: dict[int, ItemResult] = {}
@@ -192,7 +198,7 @@ class EncoderReceiver:
                 sources = await asyncio.to_thread(self._read_sources, items, raw)
             budget = timeout if timeout is not None else self.timeout
             await self._encode_sources(
-                request_id, sources, num_items_assigned, time.monotonic() + budget, results, lease_ms
+                request_id, sources, num_items_assigned, time.monotonic() + budget, results, lease
             )
         finally:
             done = len(results) == len(items)
@@ -217,7 +223,7 @@ class EncoderReceiver:
         num_items_assigned: Sequence[int] | None,
         deadline: float,
         results: dict[int, ItemResult],
-        lease_ms: int | None = None,
+        lease: pb.Lease | None = None,
     ) -> None:
         """Places items on encoders, and re-places those of every failed shard, until all are in `results`.
 
@@ -267,7 +273,7 @@ class EncoderReceiver:
                         indices = [to_place[i] for i in shard.items]
                         task = asyncio.create_task(
                             self._run_shard(
-                                request_id, encoder, indices, sources, results, attempts, deadline, lease_ms=lease_ms
+                                request_id, encoder, indices, sources, results, attempts, deadline, lease=lease
                             )
                         )
                         running[task] = encoder
@@ -337,7 +343,7 @@ class EncoderReceiver:
         attempts: dict[int, list[ItemAttempt]],
         deadline: float,
         offer_shm: bool = True,
-        lease_ms: int | None = None,
+        lease: pb.Lease | None = None,
     ) -> ShardError | None:
         """One Encode call for `indices` on one encoder; stores each item as its last byte arrives.
 
@@ -355,14 +361,17 @@ class EncoderReceiver:
                 message=message,
             )
 
-        shm = self._shm if offer_shm else None
+        withheld = lease is not None and lease.withhold_payload
+        shm = self._shm if offer_shm and not withheld else None
         request = pb.EncodeRequest(
             request_id=request_id,
             items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=sources[i].data) for i in indices],
             shm=shm.offer() if shm is not None else None,
-            lease=pb.Lease(ttl_ms=lease_ms) if lease_ms is not None else None,
+            lease=lease,
         )
-        assembler = ShardAssembler(indices, endpoint.url, shm.reader(request_id) if shm is not None else None)
+        assembler = ShardAssembler(
+            indices, endpoint.url, shm.reader(request_id) if shm is not None else None, payloads=not withheld
+        )
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return shard_error(_DEADLINE, "the request's deadline passed before the call")
@@ -399,7 +408,7 @@ class EncoderReceiver:
                 attempts,
                 deadline,
                 offer_shm=False,
-                lease_ms=lease_ms,
+                lease=lease,
             )
             if error is not None:
                 return error

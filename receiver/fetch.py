@@ -17,6 +17,27 @@ from .channels import EncoderEndpoint
 from .result import ItemResult
 from .shm import ShmReceiver
 
+# How a chat request names a leased item to an inference engine's connector (receiver.vllm_connector):
+# the content part's `uuid`. The key alone, so that the same image has the same uuid whichever encoder
+# holds it (vLLM's prefix cache keys on it too).
+UUID_PREFIX = "enc:"
+
+
+def item_uuid(lease_key: bytes) -> str:
+    """The `uuid` a chat content part carries for an item leased under `lease_key`."""
+    return UUID_PREFIX + lease_key.hex()
+
+
+def lease_key(identifier: str) -> bytes | None:
+    """The lease key an item identifier names, or None when it is not one of ours."""
+    if not identifier.startswith(UUID_PREFIX):
+        return None
+    try:
+        key = bytes.fromhex(identifier[len(UUID_PREFIX) :])
+    except ValueError:
+        return None
+    return key if len(key) == 32 else None
+
 
 class FetchFailedError(EncoderError):
     """No encoder streamed a leased item: says what each one answered."""
@@ -96,4 +117,4 @@ async def fetch_leased(
     raise FetchFailedError(key, answers, not_found)
 
 
-__all__ = ["FetchFailedError", "NotFoundError", "fetch_from", "fetch_leased"]
+__all__ = ["FetchFailedError", "NotFoundError", "UUID_PREFIX", "fetch_from", "fetch_leased", "item_uuid", "lease_key"]

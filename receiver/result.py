@@ -15,7 +15,7 @@ from .chunking import ItemsOffset, check_items_offset, chunk_bounds
 @dataclass
 class ItemResult:
     index: int  # position in the caller's request
-    embedding: torch.Tensor  # [num_tokens, hidden_size]
+    embedding: torch.Tensor  # [num_tokens, hidden_size]; on the meta device (no data) when withheld under a lease
     grid_thw: tuple[int, ...]
     encoder_url: str | None  # None for a precomputed item
     deepstack: torch.Tensor | None = None  # [num_deepstack_layers, num_tokens, hidden_size]

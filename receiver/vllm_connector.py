@@ -4,7 +4,7 @@ image's embedding from the encoder pods by its lease key; written for vLLM 0.32.
 vLLM loads it out of tree: `--ec-transfer-config '{"ec_connector": "EncoderServiceConnector",
 "ec_connector_module_path": "receiver.vllm_connector", "ec_role": "ec_consumer",
 "ec_connector_extra_config": {"encoders": ["grpc://enc-0:50051"]}}'`. A request names each item by a
-metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (see `item_uuid`), optionally with
+metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fetch.item_uuid`), optionally with
 `ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it.
 
 The scheduler-side instance fetches (it is asked about every waiting request each step, while the
@@ -33,6 +33,7 @@ import torch
 import vllm
 
 from .client import EncoderReceiver
+from .fetch import UUID_PREFIX, lease_key
 
 VLLM_VERSION = "0.32.0"
 
@@ -58,27 +59,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-UUID_PREFIX = "enc:"
 # Where received embeddings wait for the worker: a tmpfs both engine processes see.
 DEFAULT_DIRECTORY = Path("/dev/shm")
 _FILE_PREFIX = "encoder-connector"
 DEFAULT_FETCH_TIMEOUT_S = 30.0
-
-
-def item_uuid(lease_key: bytes) -> str:
-    """The `uuid` a chat content part carries for an item leased under `lease_key`."""
-    return UUID_PREFIX + lease_key.hex()
-
-
-def lease_key(identifier: str) -> bytes | None:
-    """The lease key an item identifier names, or None when it is not one of ours."""
-    if not identifier.startswith(UUID_PREFIX):
-        return None
-    try:
-        key = bytes.fromhex(identifier[len(UUID_PREFIX) :])
-    except ValueError:
-        return None
-    return key if len(key) == 32 else None
 
 
 @dataclass(frozen=True)
@@ -370,4 +354,4 @@ def _sweep_dead(directory: Path) -> None:
             continue  # another user's live process
 
 
-__all__ = ["EncoderServiceConnector", "UUID_PREFIX", "VLLM_VERSION", "item_uuid", "lease_key"]
+__all__ = ["EncoderServiceConnector", "VLLM_VERSION"]

@@ -137,3 +137,18 @@ async def test_model_info_advertises_the_lease_budget(default_model_dir):
             info = (await rx.model_info())[server.url]
     assert info.lease_max_bytes == 1 << 20 and info.lease_max_ttl_ms == 5000
 
+
+
+async def test_withheld_payloads_stay_on_the_encoder_until_fetched(default_model_dir):
+    async with running_server(default_model_dir) as server:
+        async with EncoderReceiver([server.url], transfer="grpc") as full, EncoderReceiver([server.url]) as rx:
+            reference = await full.encode("ref", [{"data": data} for data in IMAGES])
+            withheld = await rx.encode("w", [{"data": data} for data in IMAGES], lease_ms=30_000, withhold_payloads=True)
+            assert rx.transfer_stats.items_shm == 0 and rx.transfer_stats.items_grpc == 0  # no payload offered
+            for item, want in zip(withheld.items, reference.items):
+                assert item.embedding.device.type == "meta"  # shape and dtype, no data
+                assert item.embedding.shape == want.embedding.shape and item.grid_thw == want.grid_thw
+                fetched = await rx.fetch("f", item.lease.key, prefer_url=server.url)
+                assert torch.equal(fetched.embedding, want.embedding)
+            with pytest.raises(ValueError, match="needs a lease"):
+                await rx.encode("x", [{"data": IMAGES[0]}], withhold_payloads=True)
