@@ -48,6 +48,8 @@ class LeaseStore:
         self._leases: OrderedDict[bytes, _Lease] = OrderedDict()  # oldest grant first
         self._dropped: OrderedDict[bytes, str] = OrderedDict()  # key -> why it is gone
         self.bytes = 0
+        self.grants = 0  # leases granted since start
+        self.fetches = 0  # Fetches that streamed an item whole
         self.evictions = 0
         self.expirations = 0
 
@@ -76,6 +78,7 @@ class LeaseStore:
             lease = _Lease(payload, now + ttl_ms / 1000, 0)
             self.bytes += payload.nbytes
         lease.grants += 1
+        self.grants += 1
         lease.expires = max(lease.expires, now + ttl_ms / 1000)
         self._leases[key] = lease  # newest last
         self._dropped.pop(key, None)
@@ -97,6 +100,7 @@ class LeaseStore:
 
     def fetched(self, key: bytes) -> None:
         """One Fetch streamed the item whole: its grant is used up; the last one frees the item."""
+        self.fetches += 1
         lease = self._leases.get(key)
         if lease is None:
             return

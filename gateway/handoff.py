@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import torch
 
 from receiver.fetch import item_uuid
+
+from .protocol import has_embedding_parts
 from receiver.result import EncodeResult, ItemResult
 
 # Families whose encoders' items vLLM takes as `image_embeds`, and whether the part carries the grid.
@@ -69,6 +71,10 @@ class Handoff(Protocol):
     # Keyword arguments of EncoderReceiver.encode this hand-off needs (a lease, for one).
     encode_options: Mapping[str, Any]
 
+    def for_request(self, body: Mapping[str, Any]) -> Handoff:
+        """The hand-off to use for this request (itself, or another where this one cannot serve it)."""
+        ...
+
     async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]: ...
 
 
@@ -76,6 +82,9 @@ class InlineEmbedsHandoff:
     """Sends each embedding inside the chat request, as base64(torch.save) in an `image_embeds` part."""
 
     encode_options: Mapping[str, Any] = {}
+
+    def for_request(self, body: Mapping[str, Any]) -> Handoff:
+        return self
 
     async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
         return await asyncio.to_thread(lambda: [image_embeds_part(item) for item in result.items])
@@ -100,6 +109,13 @@ class ConnectorHandoff:
 
     def __init__(self, lease_ttl_s: float):
         self.encode_options: Mapping[str, Any] = {"lease_ms": int(lease_ttl_s * 1000), "withhold_payloads": True}
+        self._inline = InlineEmbedsHandoff()
+
+    def for_request(self, body: Mapping[str, Any]) -> Handoff:
+        """Inline for a request that brings image_embeds parts of its own: vLLM 0.32 refuses one request
+        mixing parts that carry a tensor with metadata-only ones ("All dictionaries in the list of
+        embeddings must have the same keys", `_merge_embeds` in vllm/renderers/chat_utils.py)."""
+        return self._inline if has_embedding_parts(body) else self
 
     async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
         return [leased_part(item) for item in result.items]

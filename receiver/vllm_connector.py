@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
-import os
-import secrets
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 import vllm
 
 from .client import EncoderReceiver
 from .fetch import UUID_PREFIX, lease_key
+from .item_files import DEFAULT_DIRECTORY, create_item_file, map_item_file, new_item_path, sweep_dead
 
 VLLM_VERSION = "0.32.0"
 
@@ -59,8 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Where received embeddings wait for the worker: a tmpfs both engine processes see.
-DEFAULT_DIRECTORY = Path("/dev/shm")
 _FILE_PREFIX = "encoder-connector"
 DEFAULT_FETCH_TIMEOUT_S = 30.0
 
@@ -139,7 +134,8 @@ class EncoderServiceConnector(ECConnectorBase):
         for item in metadata.loads:
             if item.identifier in encoder_cache:
                 continue
-            encoder_cache[item.identifier] = _map_file(item).to(device=device, dtype=self.model_dtype)
+            tensor = map_item_file(item.path, item.shape, item.dtype)
+            encoder_cache[item.identifier] = tensor.to(device=device, dtype=self.model_dtype)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
         return  # a consumer saves nothing
@@ -186,8 +182,7 @@ class _SchedulerSide:
         self.urls = urls
         self.timeout = timeout
         self.resolver = resolver
-        self.instance = f"{_FILE_PREFIX}.{os.getpid()}.{secrets.token_hex(4)}"
-        _sweep_dead(connector.directory)
+        sweep_dead(connector.directory, _FILE_PREFIX)
         self._items: dict[str, _Item] = {}
         self._by_request: dict[str, set[str]] = {}
         self._loads: dict[str, ItemFile] = {}
@@ -256,10 +251,10 @@ class _SchedulerSide:
         return item
 
     async def _fetch(self, item: _Item, key: bytes, *, position_embeds: int, prefer: str | None) -> None:
-        path = self.connector.directory / f"{self.instance}.{secrets.token_hex(8)}"
+        path = new_item_path(self.connector.directory, _FILE_PREFIX)
         try:
             result = await self._receiver.fetch(
-                f"vllm-{key.hex()[:16]}", key, prefer_url=prefer, allocate=lambda shape, dtype: _create_file(path, shape, dtype)
+                f"vllm-{key.hex()[:16]}", key, prefer_url=prefer, allocate=lambda shape, dtype: create_item_file(path, shape, dtype)
             )
             if result.deepstack is not None:
                 raise ValueError("the encoder sent deepstack features, which this connector does not place")
@@ -318,40 +313,6 @@ class _SchedulerSide:
         asyncio.run_coroutine_threadsafe(self._receiver.close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-
-
-def _create_file(path: Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor backed by a new file of the exact size: the receiver writes the payload into it."""
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)  # a full tmpfs fails here, not with SIGBUS on a later write
-        mapping = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8)).view(dtype).reshape(shape)
-
-
-def _map_file(item: ItemFile) -> torch.Tensor:
-    """The file's embedding, mapped copy-on-write: pages are shared until (never, in practice) written."""
-    nbytes = item.shape[0] * item.shape[1] * item.dtype.itemsize
-    with open(item.path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)
-    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8)).view(item.dtype).reshape(item.shape)
-
-
-def _sweep_dead(directory: Path) -> None:
-    """Removes files that connectors of dead engine processes left behind."""
-    for path in directory.glob(f"{_FILE_PREFIX}.*"):
-        try:
-            pid = int(path.name.split(".")[1])
-            os.kill(pid, 0)
-        except (ValueError, IndexError):
-            continue
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-        except PermissionError:
-            continue  # another user's live process
 
 
 __all__ = ["EncoderServiceConnector", "VLLM_VERSION"]
