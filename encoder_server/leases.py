@@ -10,9 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from google.protobuf.message import DecodeError
-from google.protobuf.unknown_fields import UnknownFieldSet
-
 from encoder_common.errors import InvalidItemError, NotFoundError
 from protos import encoder_pb2 as pb
 
@@ -66,7 +63,8 @@ class LeaseStore:
             raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
         if payload.nbytes > self.config.max_bytes:
             raise InvalidItemError(
-                f"an item of {payload.nbytes} bytes cannot be leased within --lease-max-bytes {self.config.max_bytes}"
+                f"an item of {payload.nbytes} bytes cannot be leased within "
+                f"--lease-max-bytes {self.config.max_bytes}"
             )
         if ttl_ms <= 0:
             raise InvalidItemError(f"lease ttl_ms must be positive, got {ttl_ms}")
@@ -119,22 +117,3 @@ class LeaseStore:
         self._dropped[key] = why
         while len(self._dropped) > _REMEMBERED_DROPS:
             self._dropped.popitem(last=False)
-
-
-def parse_fetch_request(raw: bytes, max_keys: int) -> pb.FetchRequest:
-    """Parses a Fetch request; refuses bytes that are not one, unknown fields, and bad key lists."""
-    try:
-        request = pb.FetchRequest.FromString(raw)
-    except DecodeError:
-        raise InvalidItemError(f"request is not a valid {pb.FetchRequest.DESCRIPTOR.full_name} message") from None
-    unknown = [field.field_number for field in UnknownFieldSet(request)]
-    if unknown:
-        raise InvalidItemError(f"request has fields unknown to this server: numbers {sorted(set(unknown))}")
-    if not request.keys:
-        raise InvalidItemError("fetch request has no keys")
-    if len(request.keys) > max_keys:
-        raise InvalidItemError(f"fetch request has {len(request.keys)} keys, over the limit of {max_keys}")
-    bad = [index for index, key in enumerate(request.keys) if len(key) != 32]
-    if bad:
-        raise InvalidItemError(f"keys at positions {bad} are not 32-byte content keys")
-    return request

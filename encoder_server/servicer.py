@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from protos import encoder_pb2 as pb
@@ -30,7 +30,7 @@ from .batcher import Batcher
 from .cache import EmbeddingCache, ItemPayload, cache_namespace, content_key
 from .config import ServerConfig
 from .images import decode_image
-from .leases import LeaseStore, parse_fetch_request
+from .leases import LeaseStore
 from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
 from .shm import ShmCall, ShmSegments
@@ -65,23 +65,42 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
     )
 
 
-def parse_request(raw: bytes) -> pb.EncodeRequest:
-    """Parses an Encode request, refusing bytes that are not one and fields this server does not know.
+def _parse_message(raw: bytes, message_class: type[Message]) -> Message:
+    """Parses a request, refusing bytes that are not one and top-level fields this server does not know.
 
     Unknown fields are refused rather than skipped: a newer receiver's field may change what the
     embedding should be, and an embedding silently computed without it would be wrong.
     """
     try:
-        request = pb.EncodeRequest.FromString(raw)
+        request = message_class.FromString(raw)
     except DecodeError:
-        raise InvalidItemError(f"request is not a valid {pb.EncodeRequest.DESCRIPTOR.full_name} message") from None
+        raise InvalidItemError(f"request is not a valid {message_class.DESCRIPTOR.full_name} message") from None
     unknown = [field.field_number for field in UnknownFieldSet(request)]
     if unknown:
         raise InvalidItemError(f"request has fields unknown to this server: numbers {sorted(set(unknown))}")
+    return request
+
+
+def parse_request(raw: bytes) -> pb.EncodeRequest:
+    """Parses an Encode request; unknown fields in it or in its items are refused (see _parse_message)."""
+    request = _parse_message(raw, pb.EncodeRequest)
     for item in request.items:
         unknown = [field.field_number for field in UnknownFieldSet(item)]
         if unknown:
             raise InvalidItemError(f"item {item.index}: fields unknown to this server: numbers {sorted(set(unknown))}")
+    return request
+
+
+def parse_fetch_request(raw: bytes, max_keys: int) -> pb.FetchRequest:
+    """Parses a Fetch request; refuses unknown fields and key lists that are empty, too long or malformed."""
+    request = _parse_message(raw, pb.FetchRequest)
+    if not request.keys:
+        raise InvalidItemError("fetch request has no keys")
+    if len(request.keys) > max_keys:
+        raise InvalidItemError(f"fetch request has {len(request.keys)} keys, over the limit of {max_keys}")
+    bad = [index for index, key in enumerate(request.keys) if len(key) != 32]
+    if bad:
+        raise InvalidItemError(f"keys at positions {bad} are not 32-byte content keys")
     return request
 
 

@@ -66,10 +66,14 @@ async def fetch_from(
     could not be used are fetched again over the stream.
     """
     request = pb.FetchRequest(request_id=request_id, keys=keys, shm=shm.offer() if shm is not None else None)
-    assembler = ShardAssembler(range(len(keys)), endpoint.url, shm.reader(request_id) if shm is not None else None, allocate)
+    assembler = ShardAssembler(
+        range(len(keys)), endpoint.url, shm.reader(request_id) if shm is not None else None, allocate
+    )
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the fetch's deadline passed before the call")
+        raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)(
+            "the fetch's deadline passed before the call"
+        )
     call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
     try:
         async for message in call:
@@ -82,7 +86,10 @@ async def fetch_from(
     results = dict(assembler.items)
     if assembler.refetch:
         again = [keys[i] for i in assembler.refetch]
-        for index, item in zip(assembler.refetch, await fetch_from(endpoint, request_id, again, deadline=deadline, allocate=allocate)):
+        for index, item in zip(
+            assembler.refetch,
+            await fetch_from(endpoint, request_id, again, deadline=deadline, allocate=allocate),
+        ):
             item.index = index
             results[index] = item
     missing = [i for i in range(len(keys)) if i not in results]
@@ -107,7 +114,9 @@ async def fetch_leased(
     answers: list[tuple[str, str]] = []
     for endpoint in ordered:
         try:
-            (item,) = await fetch_from(endpoint, request_id, [key], deadline=deadline, shm=shm, allocate=allocate)
+            (item,) = await fetch_from(
+                endpoint, request_id, [key], deadline=deadline, shm=shm, allocate=allocate
+            )
             return item
         except EncoderError as exc:
             answers.append((endpoint.url, str(exc)))
@@ -117,4 +126,12 @@ async def fetch_leased(
     raise FetchFailedError(key, answers, not_found)
 
 
-__all__ = ["FetchFailedError", "NotFoundError", "UUID_PREFIX", "fetch_from", "fetch_leased", "item_uuid", "lease_key"]
+__all__ = [
+    "FetchFailedError",
+    "NotFoundError",
+    "UUID_PREFIX",
+    "fetch_from",
+    "fetch_leased",
+    "item_uuid",
+    "lease_key",
+]

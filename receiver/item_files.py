@@ -16,7 +16,7 @@ DEFAULT_DIRECTORY = Path("/dev/shm")
 
 
 def new_item_path(directory: Path, prefix: str) -> Path:
-    """A fresh file name `<prefix>.<pid>.<random>`: the pid lets `sweep_dead` find what a dead process left."""
+    """A fresh file name `<prefix>.<pid>.<random>`; the pid lets `sweep_dead` find what a dead process left."""
     return directory / f"{prefix}.{os.getpid()}.{secrets.token_hex(8)}"
 
 

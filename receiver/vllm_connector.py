@@ -4,8 +4,8 @@ image's embedding from the encoder pods by its lease key; written for vLLM 0.32.
 vLLM loads it out of tree: `--ec-transfer-config '{"ec_connector": "EncoderServiceConnector",
 "ec_connector_module_path": "receiver.vllm_connector", "ec_role": "ec_consumer",
 "ec_connector_extra_config": {"encoders": ["grpc://enc-0:50051"]}}'`. A request names each item by a
-metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fetch.item_uuid`), optionally with
-`ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it.
+metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fetch.item_uuid`),
+optionally with `ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it.
 
 The scheduler-side instance fetches (it is asked about every waiting request each step, while the
 worker is not called at all in a step that schedules nothing); it receives each embedding through the
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 import vllm
 
 from .client import EncoderReceiver
@@ -87,10 +86,6 @@ class _Item:
     error: str | None = None  # set when it cannot be had
     future: Any = None  # the fetch, running on the connector's event loop
 
-    @property
-    def pending(self) -> bool:
-        return self.file is None and self.error is None
-
 
 class EncoderServiceConnector(ECConnectorBase):
     """Encoder-cache connector of an `ec_consumer`: embeddings come from the encoder pods' leases.
@@ -114,12 +109,15 @@ class EncoderServiceConnector(ECConnectorBase):
             urls = transfer_config.get_from_extra_config("encoders", None)
             if not urls or isinstance(urls, str):
                 raise ValueError(
-                    'EncoderServiceConnector needs ec_connector_extra_config {"encoders": ["grpc://host:port", ...]}'
+                    "EncoderServiceConnector needs ec_connector_extra_config "
+                    '{"encoders": ["grpc://host:port", ...]}'
                 )
             self._scheduler = _SchedulerSide(
                 self,
                 list(urls),
-                timeout=float(transfer_config.get_from_extra_config("fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)),
+                timeout=float(
+                    transfer_config.get_from_extra_config("fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)
+                ),
                 transfer=str(transfer_config.get_from_extra_config("transfer", "auto")),
                 resolver=PlaceholderMetadataResolver(model_config),
             )
@@ -179,7 +177,6 @@ class _SchedulerSide:
         resolver: PlaceholderMetadataResolver,
     ):
         self.connector = connector
-        self.urls = urls
         self.timeout = timeout
         self.resolver = resolver
         sweep_dead(connector.directory, _FILE_PREFIX)
@@ -246,7 +243,8 @@ class _SchedulerSide:
         hints = (request.ec_transfer_params or {}).get("encoder_urls") or {}
         prefer = hints.get(feature.identifier) if isinstance(hints, dict) else None
         item.future = asyncio.run_coroutine_threadsafe(
-            self._fetch(item, key, position_embeds=feature.mm_position.get_num_embeds(), prefer=prefer), self._loop
+            self._fetch(item, key, position_embeds=feature.mm_position.get_num_embeds(), prefer=prefer),
+            self._loop,
         )
         return item
 
@@ -254,7 +252,10 @@ class _SchedulerSide:
         path = new_item_path(self.connector.directory, _FILE_PREFIX)
         try:
             result = await self._receiver.fetch(
-                f"vllm-{key.hex()[:16]}", key, prefer_url=prefer, allocate=lambda shape, dtype: create_item_file(path, shape, dtype)
+                f"vllm-{key.hex()[:16]}",
+                key,
+                prefer_url=prefer,
+                allocate=lambda shape, dtype: create_item_file(path, shape, dtype),
             )
             if result.deepstack is not None:
                 raise ValueError("the encoder sent deepstack features, which this connector does not place")
@@ -270,7 +271,9 @@ class _SchedulerSide:
             path.unlink(missing_ok=True)
             item.error = f"embedding {item.identifier} unavailable: {exc}"
             return
-        item.file = ItemFile(item.identifier, str(path), (result.num_tokens, result.hidden_size), result.embedding.dtype)
+        item.file = ItemFile(
+            item.identifier, str(path), (result.num_tokens, result.hidden_size), result.embedding.dtype
+        )
 
     def allocated(self, identifier: str) -> None:
         item = self._items.get(identifier)

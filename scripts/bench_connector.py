@@ -53,7 +53,9 @@ def serve() -> None:
         server = EncoderServer(config, encoder=FixedSizeEncoder(TOKENS, HIDDEN, torch.bfloat16))
         await server.start()
         print(f"ready {server.port}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+        await asyncio.get_running_loop().run_in_executor(
+            None, sys.stdin.read
+        )  # until the parent closes stdin
         await server.stop(grace=0)
 
     asyncio.run(run())
@@ -69,12 +71,16 @@ def image_png() -> bytes:
 
 async def connector_handoff(rx: EncoderReceiver, round_index: int) -> float:
     """Seconds from the engine's fetch to the tensor in the worker: Fetch into a file, map it."""
-    encoded = await rx.encode(f"lease-{round_index}", [{"data": image_png()}], lease_ms=60_000, withhold_payloads=True)
+    encoded = await rx.encode(
+        f"lease-{round_index}", [{"data": image_png()}], lease_ms=60_000, withhold_payloads=True
+    )
     key = encoded.items[0].lease.key
     path = new_item_path(Path("/dev/shm"), BENCH_PREFIX)
     try:
         started = time.perf_counter()
-        item = await rx.fetch(f"fetch-{round_index}", key, allocate=lambda shape, dtype: create_item_file(path, shape, dtype))
+        item = await rx.fetch(
+            f"fetch-{round_index}", key, allocate=lambda shape, dtype: create_item_file(path, shape, dtype)
+        )
         tensor = map_item_file(path, (item.num_tokens, item.hidden_size), item.embedding.dtype)
         elapsed = time.perf_counter() - started
         assert tensor.shape == (TOKENS, HIDDEN)
@@ -101,7 +107,10 @@ async def json_handoff(rx: EncoderReceiver, round_index: int) -> tuple[float, fl
 async def measure(url: str, rounds: int) -> dict:
     times: dict[str, list[float]] = {k: [] for k in ("grpc", "shm", "to_gateway", "json_write", "json_read")}
     size = 0
-    async with EncoderReceiver([url], transfer="grpc") as grpc_rx, EncoderReceiver([url], transfer="shm") as shm_rx:
+    async with (
+        EncoderReceiver([url], transfer="grpc") as grpc_rx,
+        EncoderReceiver([url], transfer="shm") as shm_rx,
+    ):
         for i in range(2 + rounds):  # the paths take turns round by round, so a noisy machine slows all alike
             grpc_s = await connector_handoff(grpc_rx, i)
             shm_s = await connector_handoff(shm_rx, i)
@@ -110,12 +119,21 @@ async def measure(url: str, rounds: int) -> dict:
                 for name, value in zip(times, (grpc_s, shm_s, to_gateway, write, read)):
                     times[name].append(value)
     median = {name: statistics.median(values) for name, values in times.items()}
-    median["json"] = statistics.median(sum(parts) for parts in zip(times["to_gateway"], times["json_write"], times["json_read"]))
-    return {"median_s": median, "json_body_bytes": size, "payload_bytes": TOKENS * HIDDEN * 2, "rounds": rounds}
+    median["json"] = statistics.median(
+        sum(parts) for parts in zip(times["to_gateway"], times["json_write"], times["json_read"])
+    )
+    return {
+        "median_s": median,
+        "json_body_bytes": size,
+        "payload_bytes": TOKENS * HIDDEN * 2,
+        "rounds": rounds,
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -124,7 +142,11 @@ def main() -> int:
         serve()
         return 0
     process = subprocess.Popen(
-        [sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT
+        [sys.executable, __file__, "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
     )
     try:
         line = process.stdout.readline().split()
@@ -144,7 +166,10 @@ def main() -> int:
         f"base64(torch.save) into JSON {ms['json_write']:.1f} + vLLM parsing it {ms['json_read']:.1f}; "
         f"body {figures['json_body_bytes'] / (1 << 20):.1f} MiB)"
     )
-    print(f"  JSON / connector-gRPC {ms['json'] / ms['grpc']:.1f}x   JSON / connector-shm {ms['json'] / ms['shm']:.1f}x")
+    print(
+        f"  JSON / connector-gRPC {ms['json'] / ms['grpc']:.1f}x   "
+        f"JSON / connector-shm {ms['json'] / ms['shm']:.1f}x"
+    )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
     return 0

@@ -54,7 +54,11 @@ async def test_connector_handoff_refuses_deepstack_encoders_at_start(tmp_path):
     model_dir = write_checkpoint("qwen3_vl", tmp_path / "qwen3")
     async with running_server(model_dir) as server:
         config = GatewayConfig(
-            engine_url="http://127.0.0.1:9", encoders=(server.url,), host="127.0.0.1", port=0, handoff="connector"
+            engine_url="http://127.0.0.1:9",
+            encoders=(server.url,),
+            host="127.0.0.1",
+            port=0,
+            handoff="connector",
         )
         with pytest.raises(ValueError, match="deepstack layers, which the connector hand-off does not carry"):
             await start(config)

@@ -132,19 +132,27 @@ async def test_a_server_without_leases_refuses_a_lease_and_says_so(default_model
 
 
 async def test_model_info_advertises_the_lease_budget(default_model_dir):
-    async with running_server(default_model_dir, leases=LeaseConfig(max_bytes=1 << 20, max_ttl_s=5)) as server:
+    async with running_server(
+        default_model_dir, leases=LeaseConfig(max_bytes=1 << 20, max_ttl_s=5)
+    ) as server:
         async with EncoderReceiver([server.url], transfer="grpc") as rx:
             info = (await rx.model_info())[server.url]
     assert info.lease_max_bytes == 1 << 20 and info.lease_max_ttl_ms == 5000
 
 
-
 async def test_withheld_payloads_stay_on_the_encoder_until_fetched(default_model_dir):
     async with running_server(default_model_dir) as server:
-        async with EncoderReceiver([server.url], transfer="grpc") as full, EncoderReceiver([server.url]) as rx:
+        async with (
+            EncoderReceiver([server.url], transfer="grpc") as full,
+            EncoderReceiver([server.url]) as rx,
+        ):
             reference = await full.encode("ref", [{"data": data} for data in IMAGES])
-            withheld = await rx.encode("w", [{"data": data} for data in IMAGES], lease_ms=30_000, withhold_payloads=True)
-            assert rx.transfer_stats.items_shm == 0 and rx.transfer_stats.items_grpc == 0  # no payload offered
+            withheld = await rx.encode(
+                "w", [{"data": data} for data in IMAGES], lease_ms=30_000, withhold_payloads=True
+            )
+            assert (
+                rx.transfer_stats.items_shm == 0 and rx.transfer_stats.items_grpc == 0
+            )  # no payload offered
             for item, want in zip(withheld.items, reference.items):
                 assert item.embedding.device.type == "meta"  # shape and dtype, no data
                 assert item.embedding.shape == want.embedding.shape and item.grid_thw == want.grid_thw

@@ -9,19 +9,20 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 
 import aiohttp
 import pytest
 import torch
 
+from encoder_server.leases import LeaseConfig
 from gateway.app import start
 from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part, leased_part
-from encoder_server.leases import LeaseConfig
 from receiver import EncoderReceiver
 from testkit.checkpoints import rewrite_tensors
 from testkit.support import running_server, server_process
-from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
+from testkit.vllm_server import ENGINES_PYTHON, engines_env, launch_vllm
 from tests.gateway_support import chat_request, complete, image_part, images, largest_difference
 
 pytestmark = pytest.mark.engine
@@ -88,7 +89,9 @@ async def reference(default_model_dir, tmp_path_factory):
     with launch_vllm(default_model_dir, log_path=log_path, extra_args=served([])) as server:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
             for case, pngs in CASES.items():
-                answers[case] = await complete(client, server.url, chat_request(MODEL, [image_part(p) for p in pngs]))
+                answers[case] = await complete(
+                    client, server.url, chat_request(MODEL, [image_part(p) for p in pngs])
+                )
     return answers
 
 
@@ -107,7 +110,9 @@ async def encoders(default_model_dir):
 @pytest.fixture(scope="module")
 def killable_encoder(default_model_dir, tmp_path_factory):
     """An encoder in a process of its own, for the test that kills it between encode and fetch."""
-    with server_process(default_model_dir, "--dtype", "float32", log_dir=tmp_path_factory.mktemp("killable")) as server:
+    with server_process(
+        default_model_dir, "--dtype", "float32", log_dir=tmp_path_factory.mktemp("killable")
+    ) as server:
         yield server
 
 
@@ -123,7 +128,9 @@ async def consumer(reference, encoders, killable_encoder, zeroed_tower_model, tm
     }
     log_path = tmp_path_factory.mktemp("vllm-consumer") / "vllm.log"
     with launch_vllm(
-        zeroed_tower_model, log_path=log_path, extra_args=served(["--ec-transfer-config", json.dumps(transfer)])
+        zeroed_tower_model,
+        log_path=log_path,
+        extra_args=served(["--ec-transfer-config", json.dumps(transfer)]),
     ) as server:
         yield server
 
@@ -194,12 +201,16 @@ async def test_client_precomputed_item_beside_raw_images(gateway, reference, enc
     assert [server.leases.grants for server in encoders[:2]] == grants  # nothing leased for it
 
 
-async def test_the_consumers_own_tower_is_wrong_so_it_never_ran_for_leased_items(consumer, reference, session):
+async def test_the_consumers_own_tower_is_wrong_so_it_never_ran_for_leased_items(
+    consumer, reference, session
+):
     """Given raw images, the consumer runs its zeroed tower and answers differently from vLLM alone: the
     equal answers above came from the encoders' embeddings."""
     got = await complete(session, consumer.url, chat_request(MODEL, [image_part(p) for p in CASES["2"]]))
     want = reference["2"]
-    differs = [s[0] for s in got] != [s[0] for s in want] or max(abs(a[1] - b[1]) for a, b in zip(got, want)) > 1e-2
+    differs = [s[0] for s in got] != [s[0] for s in want] or max(
+        abs(a[1] - b[1]) for a, b in zip(got, want)
+    ) > 1e-2
     assert differs, "a zeroed vision tower answered like the real one: the check proves nothing"
 
 
@@ -236,8 +247,22 @@ async def test_fetch_past_the_lease_deadline_fails_that_request_only(consumer, e
     await assert_engine_serves(session, consumer, encoders, reference, "after-expiry")
 
 
-async def test_an_unknown_uuid_without_its_embedding_fails_that_request_only(consumer, encoders, reference, session):
+async def test_an_unknown_uuid_without_its_embedding_fails_that_request_only(
+    consumer, encoders, reference, session
+):
     parts = [{"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 8, 8]}, "uuid": "not-a-lease"}]
     status, body = await post(session, consumer.url, parts)
     assert status >= 400 and "error" in body
     await assert_engine_serves(session, consumer, encoders, reference, "after-unknown")
+
+
+def test_another_vllm_version_is_refused_at_import_naming_both():
+    """vLLM imports the connector while it starts: on a version other than the pinned one that fails
+    with a message naming both, before any connector class exists."""
+    script = "import vllm; vllm.__version__ = '0.33.0'; import receiver.vllm_connector"
+    run = subprocess.run(
+        [str(ENGINES_PYTHON), "-c", script], env=engines_env(), capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode != 0
+    assert "ImportError: receiver.vllm_connector is written for vLLM 0.32.0" in run.stderr
+    assert "this is vLLM 0.33.0" in run.stderr
