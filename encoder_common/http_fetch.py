@@ -67,7 +67,9 @@ class _PublicHTTPSHandler(urllib.request.HTTPSHandler):
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise InvalidItemError(f"fetching {_shown(req.full_url)} was redirected (HTTP {code}); redirects are not followed")
+        raise InvalidItemError(
+            f"fetching {_shown(req.full_url)} was redirected (HTTP {code}); redirects are not followed"
+        )
 
 
 def _opener(*, follow_redirects: bool, allow_internal: bool) -> urllib.request.OpenerDirector:
@@ -147,10 +149,10 @@ def fetch_http(
             ) from None
         if isinstance(exc.reason, InvalidItemError):
             raise exc.reason from None
-        if isinstance(exc.reason, (socket.timeout, TimeoutError)):
+        if isinstance(exc.reason, TimeoutError):
             raise InvalidItemError(f"fetching {shown} took over {timeout_s:g} s") from None
         raise InvalidItemError(f"fetching {shown} failed: {exc.reason}") from None
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:  # socket.timeout is its alias
         raise InvalidItemError(f"fetching {shown} took over {timeout_s:g} s") from None
     except (http.client.HTTPException, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc.__class__.__name__

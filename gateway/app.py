@@ -26,7 +26,15 @@ SERVICE = web.AppKey("service", ChatCompletionsService)
 CONFIG = web.AppKey("config", GatewayConfig)
 _PROBE_TIMEOUT_S = 2.0
 # Hop-by-hop and framing headers are the gateway's own to set.
-_NOT_FORWARDED = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding", "date", "server"}
+_NOT_FORWARDED = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "content-encoding",
+    "date",
+    "server",
+}
 
 
 def _error_response(error: GatewayError) -> web.Response:
@@ -37,7 +45,9 @@ def _forwarded_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED}
 
 
-async def _forward(request: web.Request, service: ChatCompletionsService, path: str, body: Any, method: str) -> web.StreamResponse:
+async def _forward(
+    request: web.Request, service: ChatCompletionsService, path: str, body: Any, method: str
+) -> web.StreamResponse:
     """Sends `body` to the engine and relays its answer: status and body as they are, chunks as they arrive."""
     try:
         upstream = await service.engine_request(path, body, method)
@@ -49,9 +59,11 @@ async def _forward(request: web.Request, service: ChatCompletionsService, path: 
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
         await response.write_eof()
-        return response
-    finally:
+    except BaseException:
         upstream.close()  # also on cancellation: closing the connection makes the engine abort the request
+        raise
+    upstream.release()  # read to the end: the connection goes back to the pool
+    return response
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -132,7 +144,12 @@ async def _check_encoders(receiver: EncoderReceiver, handoff: str) -> None:
             f"the encoders serve {info.family} with {info.num_deepstack_layers} deepstack layers, which the "
             "connector hand-off does not carry to vLLM; use --handoff inline"
         )
-    log.info("encoders serve %s (hidden %d, %d deepstack layers)", info.family, info.hidden_size, info.num_deepstack_layers)
+    log.info(
+        "encoders serve %s (hidden %d, %d deepstack layers)",
+        info.family,
+        info.hidden_size,
+        info.num_deepstack_layers,
+    )
 
 
 def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.Application:
@@ -182,7 +199,5 @@ async def start(config: GatewayConfig, *, handoff: Handoff | None = None) -> tup
     # handler_cancellation: a client that disconnects cancels its handler, so its encode and engine call stop.
     runner = web.AppRunner(build_app(config, handoff=handoff), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # aiohttp has no public accessor for the bound port
-    return runner, port
+    await web.TCPSite(runner, config.host, config.port).start()
+    return runner, runner.addresses[0][1]

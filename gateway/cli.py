@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from pathlib import Path
 
 from encoder_common.env_flags import EnvDefaultsParser
@@ -28,23 +29,45 @@ def build_parser() -> EnvDefaultsParser:
     )
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=9000, help="port to listen on (0: any free port)")
-    p.add_argument("--encode-timeout", type=float, default=60.0, help="deadline of one request's encode, seconds")
-    p.add_argument("--engine-timeout", type=float, default=None, help="deadline of one engine call, seconds (default: none)")
-    p.add_argument("--file-roots", default="", help="directories file:// image URLs may read from, comma-separated (default: file:// refused)")
+    p.add_argument(
+        "--encode-timeout", type=float, default=60.0, help="deadline of one request's encode, seconds"
+    )
+    p.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=None,
+        help="deadline of one engine call, seconds (default: none)",
+    )
+    p.add_argument(
+        "--file-roots",
+        default="",
+        help="directories file:// image URLs may read from, comma-separated (default: file:// refused)",
+    )
     p.add_argument(
         "--allow-internal-urls",
         action="store_true",
         help="let http(s) image URLs reach loopback, private and link-local addresses (refused by default)",
     )
-    p.add_argument("--max-fetch-bytes", type=int, default=32 << 20, help="largest image accepted from a URL or file")
-    p.add_argument("--fetch-timeout", type=float, default=10.0, help="time limit of one http(s) image download, seconds")
+    p.add_argument(
+        "--max-fetch-bytes", type=int, default=32 << 20, help="largest image accepted from a URL or file"
+    )
+    p.add_argument(
+        "--fetch-timeout", type=float, default=10.0, help="time limit of one http(s) image download, seconds"
+    )
     p.add_argument(
         "--pass-non-image",
         action="store_true",
         help="forward video/audio parts to the engine untouched instead of answering 400",
     )
-    p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds of a 503 for overloaded encoders")
-    p.add_argument("--transfer", default="auto", choices=["auto", "shm", "grpc"], help="how embeddings come back from encoders")
+    p.add_argument(
+        "--retry-after", type=int, default=1, help="Retry-After seconds of a 503 for overloaded encoders"
+    )
+    p.add_argument(
+        "--transfer",
+        default="auto",
+        choices=["auto", "shm", "grpc"],
+        help="how embeddings come back from encoders",
+    )
     p.add_argument(
         "--handoff",
         default="inline",
@@ -52,11 +75,22 @@ def build_parser() -> EnvDefaultsParser:
         help="how embeddings reach vLLM: inline (image_embeds parts in the request) or connector (vLLM runs "
         "receiver.vllm_connector as ec_consumer and fetches them from the encoders)",
     )
-    p.add_argument("--lease-ttl", type=float, default=60.0, help="with --handoff connector: seconds encoders keep an item for the fetch")
-    p.add_argument("--tls-ca", default=None, help="PEM file of the CAs to trust for grpcs:// encoders (default: the system's)")
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate for mTLS to the encoders")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    p.add_argument("--auth-token", default=None, help="bearer token sent to the encoders")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=60.0,
+        help="with --handoff connector: seconds encoders keep an item for the engine's fetch",
+    )
+    p.add_argument(
+        "--tls-ca-file", default=None, help="PEM CAs to trust for grpcs:// encoders (default: the system's)"
+    )
+    p.add_argument("--tls-cert-file", default=None, help="PEM client certificate for mTLS to the encoders")
+    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="file whose first line is the bearer token sent to the encoders",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
@@ -68,8 +102,16 @@ def config_from_args(args):
     from .sources import SourcePolicy
 
     tls = None
-    if args.tls_ca or args.tls_cert or args.tls_key:
-        tls = ClientTls.from_files(ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key)
+    if args.tls_ca_file or args.tls_cert_file or args.tls_key_file:
+        tls = ClientTls.from_files(
+            ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file
+        )
+    auth_token = None
+    if args.auth_token_file:
+        lines = Path(args.auth_token_file).read_text().splitlines()
+        auth_token = lines[0].strip() if lines else ""
+        if not auth_token:
+            raise ValueError(f"{args.auth_token_file} holds no token")
     return GatewayConfig(
         engine_url=args.engine_url,
         encoders=tuple(url.strip() for url in args.encoders.split(",") if url.strip()),
@@ -86,7 +128,7 @@ def config_from_args(args):
         pass_non_image=args.pass_non_image,
         retry_after_s=args.retry_after,
         tls=tls,
-        auth_token=args.auth_token,
+        auth_token=auth_token,
         transfer=args.transfer,
         handoff=args.handoff,
         lease_ttl_s=args.lease_ttl,
@@ -110,8 +152,14 @@ async def serve(config) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(config_from_args(args)))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(config_from_args(args)))
+    except (ValueError, OSError) as exc:  # a family vLLM cannot take, an unreadable TLS file, a busy port
+        print(f"encoder-gateway: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -18,21 +18,20 @@ from typing import Any, Protocol
 import torch
 
 from receiver.fetch import item_uuid
-
-from .protocol import has_embedding_parts
 from receiver.result import EncodeResult, ItemResult
 
-# Families whose encoders' items vLLM takes as `image_embeds`, and whether the part carries the grid.
-GRID_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
-NO_GRID_FAMILIES = frozenset({"llava"})
+from .protocol import has_embedding_parts
+
+# Families whose items the gateway hands to vLLM: the Qwen-VL embedding input, image_embeds with its grid.
+FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 
 
 def check_family(family: str) -> None:
-    """Refuses a served family whose embeddings vLLM cannot take as input, naming why."""
-    if family not in GRID_FAMILIES | NO_GRID_FAMILIES:
+    """Refuses a served family whose embeddings the gateway cannot hand to vLLM, naming why."""
+    if family not in FAMILIES:
         raise ValueError(
-            f"the encoders serve family {family!r}, which encoder-gateway cannot hand to vLLM as image_embeds "
-            f"(supported: {sorted(GRID_FAMILIES | NO_GRID_FAMILIES)})"
+            f"the encoders serve family {family!r}; encoder-gateway hands vLLM only the Qwen-VL embedding input "
+            f"(image_embeds with image_grid_thw), for families {sorted(FAMILIES)}"
         )
 
 
@@ -55,10 +54,14 @@ def serialize_tensor(tensor: torch.Tensor) -> str:
 
 def image_embeds_part(item: ItemResult) -> dict[str, Any]:
     """One item as vLLM's `image_embeds` chat content part."""
-    payload: dict[str, Any] = {"image_embeds": serialize_tensor(engine_embedding(item))}
-    if item.grid_thw:
-        payload["image_grid_thw"] = [int(x) for x in item.grid_thw]
+    payload = {"image_embeds": serialize_tensor(engine_embedding(item)), "image_grid_thw": _grid(item)}
     return {"type": "image_embeds", "image_embeds": payload}
+
+
+def _grid(item: ItemResult) -> list[int]:
+    if len(item.grid_thw) != 3:
+        raise ValueError(f"item {item.index} has no (t, h, w) grid; vLLM's Qwen-VL embedding input needs one")
+    return [int(x) for x in item.grid_thw]
 
 
 class Handoff(Protocol):
@@ -97,10 +100,7 @@ def leased_part(item: ItemResult) -> dict[str, Any]:
         raise ValueError(f"item {item.index} was encoded without a lease: nothing names it to the engine")
     if item.deepstack is not None:
         raise ValueError(f"item {item.index} has deepstack features, which the connector hand-off does not carry")
-    payload: dict[str, Any] = {}
-    if item.grid_thw:
-        payload["image_grid_thw"] = [int(x) for x in item.grid_thw]
-    return {"type": "image_embeds", "image_embeds": payload, "uuid": item_uuid(item.lease.key)}
+    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": _grid(item)}, "uuid": item_uuid(item.lease.key)}
 
 
 class ConnectorHandoff:
@@ -136,15 +136,17 @@ def handoff_for(name: str, *, lease_ttl_s: float) -> Handoff:
 def multi_modal_data(result: EncodeResult | Sequence[ItemResult]) -> dict[str, Any]:
     """The `multi_modal_data` for vLLM's `LLM.generate` / `AsyncLLM.generate` from encoded items:
 
-        result = await receiver.encode(request_id, items)
-        prompt = {"prompt": text, "multi_modal_data": multi_modal_data(result)}
-        outputs = llm.generate(prompt, sampling_params)
+    result = await receiver.encode(request_id, items)
+    prompt = {"prompt": text, "multi_modal_data": multi_modal_data(result)}
+    outputs = llm.generate(prompt, sampling_params)
     """
     items = result.items if isinstance(result, EncodeResult) else list(result)
     if not items:
         return {}
-    embeddings = torch.cat([engine_embedding(item) for item in items])
-    if all(item.grid_thw for item in items):
-        grid = torch.tensor([list(item.grid_thw) for item in items], dtype=torch.int64)
-        return {"image": {"image_embeds": embeddings, "image_grid_thw": grid}}
-    return {"image": [engine_embedding(item) for item in items]}
+    grid = torch.tensor([_grid(item) for item in items], dtype=torch.int64)
+    return {
+        "image": {
+            "image_embeds": torch.cat([engine_embedding(item) for item in items]),
+            "image_grid_thw": grid,
+        }
+    }

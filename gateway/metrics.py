@@ -14,21 +14,38 @@ class GatewayMetrics:
     def __init__(self, receiver_metrics: ReceiverMetrics):
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "encoder_gateway_requests", "Chat requests finished, by outcome and HTTP status", ["outcome", "status"], registry=r
+            "encoder_gateway_requests",
+            "Chat requests finished, by outcome and HTTP status",
+            ["outcome", "status"],
+            registry=r,
         )
         self.in_flight = Gauge("encoder_gateway_requests_in_flight", "Chat requests being served", registry=r)
-        self.images = Counter("encoder_gateway_images", "Image parts encoded and replaced by embeddings", registry=r)
+        self.images = Counter(
+            "encoder_gateway_images", "Image parts encoded and replaced by embeddings", registry=r
+        )
         self.encode_failures = Counter(
-            "encoder_gateway_encode_failures", "Requests whose images could not be encoded, by HTTP status", ["status"], registry=r
+            "encoder_gateway_encode_failures",
+            "Requests whose images could not be encoded, by HTTP status",
+            ["status"],
+            registry=r,
         )
         self.encode_seconds = Histogram(
-            "encoder_gateway_encode_seconds", "Fetching and encoding one request's images", buckets=_SECONDS, registry=r
+            "encoder_gateway_encode_seconds",
+            "Fetching and encoding one request's images",
+            buckets=_SECONDS,
+            registry=r,
         )
         self.handoff_seconds = Histogram(
-            "encoder_gateway_handoff_seconds", "Turning one request's embeddings into engine input", buckets=_SECONDS, registry=r
+            "encoder_gateway_handoff_seconds",
+            "Turning one request's embeddings into engine input",
+            buckets=_SECONDS,
+            registry=r,
         )
         self.engine_seconds = Histogram(
-            "encoder_gateway_engine_seconds", "From forwarding a request to the engine's last byte", buckets=_SECONDS, registry=r
+            "encoder_gateway_engine_seconds",
+            "From forwarding a request to the engine's last byte",
+            buckets=_SECONDS,
+            registry=r,
         )
         r.register(receiver_metrics.prometheus_collector())
 

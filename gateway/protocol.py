@@ -11,14 +11,12 @@ from encoder_common.errors import InvalidItemError, UnsupportedModalityError
 
 # Content-part types and the modality each carries, as vLLM's chat API names them.
 _IMAGE_URL_TYPES = frozenset({"image_url", "input_image"})
-_PASS_THROUGH_TYPES = frozenset({"text", "input_text", "image_embeds"})
 _OTHER_MODALITIES = {
     "video_url": "video",
     "video_embeds": "video",
     "input_audio": "audio",
     "audio_url": "audio",
     "audio_embeds": "audio",
-    "file": "file",
 }
 
 
@@ -36,7 +34,7 @@ class ImagePart:
 
 
 def _part_url(part: Mapping[str, Any], where: str) -> str:
-    value = part.get(part["type"])
+    value = part.get("image_url")  # {"url": ...} in chat completions, the URL itself in input_image
     url = value.get("url") if isinstance(value, Mapping) else value
     if not isinstance(url, str) or not url:
         raise InvalidItemError(f"{where}: {part['type']} part has no URL")
@@ -84,7 +82,9 @@ def has_embedding_parts(body: Mapping[str, Any]) -> bool:
     )
 
 
-def replace_parts(body: Mapping[str, Any], replacements: Mapping[ImagePart, Mapping[str, Any]]) -> dict[str, Any]:
+def replace_parts(
+    body: Mapping[str, Any], replacements: Mapping[ImagePart, Mapping[str, Any]]
+) -> dict[str, Any]:
     """A copy of the request with each listed part replaced; the parts keep a client-given `uuid` unless
     the new part names its item by a `uuid` of its own."""
     rewritten = dict(body)

@@ -35,8 +35,20 @@ class GatewayError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "BadRequestError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
-        return {"error": {"message": self.message, "type": kind.get(self.status, "InternalServerError"), "param": None, "code": self.status}}
+        kind = {
+            400: "BadRequestError",
+            502: "BadGatewayError",
+            503: "ServiceUnavailableError",
+            504: "TimeoutError",
+        }
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind.get(self.status, "InternalServerError"),
+                "param": None,
+                "code": self.status,
+            }
+        }
 
 
 _ITEM_IN_MESSAGE = re.compile(r"\bitem (\d+): ")
@@ -51,7 +63,9 @@ def encode_error(error: EncoderError, parts: list[ImagePart], retry_after_s: int
             return GatewayError(400, _bad_item_message(error, parts))
         if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return GatewayError(
-                503, f"the encoders are overloaded; retry later ({error.message})", headers={"Retry-After": str(retry_after_s)}
+                503,
+                f"the encoders are overloaded; retry later ({error.message})",
+                headers={"Retry-After": str(retry_after_s)},
             )
         if error.code == grpc.StatusCode.UNAVAILABLE:
             return GatewayError(503, f"no encoder is reachable ({error.message})")
@@ -68,7 +82,7 @@ def _bad_item_message(error: EncodeFailedError, parts: list[ImagePart]) -> str:
                 match = _ITEM_IN_MESSAGE.search(attempt.message)
                 if match and int(match.group(1)) < len(parts):
                     part = parts[int(match.group(1))]
-                    return f"{part.where}: invalid image: {attempt.message[match.end():]}"
+                    return f"{part.where}: invalid image: {attempt.message[match.end() :]}"
                 return f"invalid image: {attempt.message}"
     return f"invalid image: {error.message}"
 
@@ -117,7 +131,9 @@ class ChatCompletionsService:
         handoff = self.handoff.for_request(body)
         started = time.perf_counter()
         try:
-            images = await asyncio.gather(*(asyncio.to_thread(part_bytes, part, self.sources) for part in parts))
+            images = await asyncio.gather(
+                *(asyncio.to_thread(part_bytes, part, self.sources) for part in parts)
+            )
             result = await self.receiver.encode(
                 request_id,
                 [{"modality": "image", "data": data} for data in images],
@@ -134,9 +150,10 @@ class ChatCompletionsService:
         return replace_parts(body, dict(zip(parts, new_parts)))
 
     def engine_request(self, path: str, body: Mapping[str, Any] | None = None, method: str = "POST"):
-        """The engine call (an aiohttp request context manager); GatewayError if the engine is unreachable."""
+        """The engine call: awaiting it gives the engine's response once its headers arrive."""
         return self.session.request(method, f"{self.engine_url}{path}", json=body)
 
 
 def engine_unreachable(engine_url: str, exc: BaseException) -> GatewayError:
+    """The answer when the engine cannot be reached (refused, reset before its headers, timed out)."""
     return GatewayError(502, f"the engine at {engine_url} is unreachable: {exc.__class__.__name__}: {exc}")

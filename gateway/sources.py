@@ -35,12 +35,16 @@ def _url_bytes(url: str, policy: SourcePolicy) -> bytes:
     if scheme == "data":
         data = decode_data_uri(url)
         if len(data) > policy.max_fetch_bytes:
-            raise InvalidItemError(f"data: URI is {len(data)} bytes, over the limit of {policy.max_fetch_bytes}")
+            raise InvalidItemError(
+                f"data: URI is {len(data)} bytes, over the limit of {policy.max_fetch_bytes}"
+            )
         return data
     if scheme == "file":
         if not policy.file_roots:
             raise InvalidItemError("file:// URLs are disabled on this gateway (no --file-roots)")
-        return read_file_url(url, [root.resolve() for root in policy.file_roots], max_bytes=policy.max_fetch_bytes)
+        return read_file_url(
+            url, [root.resolve() for root in policy.file_roots], max_bytes=policy.max_fetch_bytes
+        )
     if scheme in ("http", "https"):
         return fetch_http(
             url,
@@ -50,4 +54,6 @@ def _url_bytes(url: str, policy: SourcePolicy) -> bytes:
             allow_internal=policy.allow_internal_urls,
             user_agent="encoder-gateway",
         )
-    raise InvalidItemError(f"unsupported image URL scheme {scheme or '(none)'!r}; use data:, http(s):// or file://")
+    raise InvalidItemError(
+        f"unsupported image URL scheme {scheme or '(none)'!r}; use data:, http(s):// or file://"
+    )

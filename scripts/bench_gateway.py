@@ -7,7 +7,6 @@ Starts vLLM from .venv-engines (python -m vllm.entrypoints.openai.api_server) on
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import io
@@ -34,11 +33,22 @@ from tests.gateway_support import chat_request, image_part
 
 
 def build_parser() -> EnvDefaultsParser:
-    p = EnvDefaultsParser(prog="bench_gateway.py", env_prefix="BENCH_GATEWAY_", description=__doc__.splitlines()[0])
+    p = EnvDefaultsParser(
+        prog="bench_gateway.py", env_prefix="BENCH_GATEWAY_", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--size", type=int, default=448, help="image width and height in pixels")
-    p.add_argument("--repeats", type=int, default=5, help="requests per path (each with a new image: no engine cache hit)")
-    p.add_argument("--serialize-tokens", type=int, default=1024, help="rows of the serialization figure's item")
-    p.add_argument("--serialize-hidden", type=int, default=3584, help="width of the serialization figure's item")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="requests per path (each with a new image: no engine cache hit)",
+    )
+    p.add_argument(
+        "--serialize-tokens", type=int, default=1024, help="rows of the serialization figure's item"
+    )
+    p.add_argument(
+        "--serialize-hidden", type=int, default=3584, help="width of the serialization figure's item"
+    )
     return p
 
 
@@ -75,7 +85,9 @@ async def bench(args) -> None:
     log_path = model_dir.parent / "vllm.log"
     with launch_vllm(model_dir, log_path=log_path) as vllm:
         async with running_server(model_dir) as encoder, aiohttp.ClientSession() as session:
-            runner, port = await start(GatewayConfig(engine_url=vllm.url, encoders=(encoder.url,), host="127.0.0.1", port=0))
+            runner, port = await start(
+                GatewayConfig(engine_url=vllm.url, encoders=(encoder.url,), host="127.0.0.1", port=0)
+            )
             gateway = f"http://127.0.0.1:{port}"
             seeds = iter(range(10_000))
 
@@ -84,8 +96,16 @@ async def bench(args) -> None:
 
             # Warm both paths (first requests compile and fill caches), each with images of its own.
             for _ in range(2):
-                await timed_post(session, vllm.url, request([image_part(image_bytes(args.size, args.size, seed=next(seeds)))]))
-                await timed_post(session, gateway, request([image_part(image_bytes(args.size, args.size, seed=next(seeds)))]))
+                await timed_post(
+                    session,
+                    vllm.url,
+                    request([image_part(image_bytes(args.size, args.size, seed=next(seeds)))]),
+                )
+                await timed_post(
+                    session,
+                    gateway,
+                    request([image_part(image_bytes(args.size, args.size, seed=next(seeds)))]),
+                )
             direct, through, encode, handoff, engine = [], [], [], [], []
             async with EncoderReceiver([encoder.url]) as receiver:
                 for _ in range(args.repeats):
@@ -106,7 +126,9 @@ async def bench(args) -> None:
             await runner.cleanup()
     size, serialize_ms, load_ms = serialization(args.serialize_tokens, args.serialize_hidden)
     base = median_ms(direct)
-    print(f"one request, 1 image {args.size}x{args.size} ({tokens} tokens), max_tokens 1, median of {args.repeats}:")
+    print(
+        f"one request, 1 image {args.size}x{args.size} ({tokens} tokens), max_tokens 1, median of {args.repeats}:"
+    )
     print(f"  vLLM alone (its own tower)   {base:8.1f} ms  1.00x")
     print(f"  gateway -> vLLM              {median_ms(through):8.1f} ms  {median_ms(through) / base:.2f}x")
     print(f"    encode (receiver)          {median_ms(encode):8.1f} ms  {median_ms(encode) / base:.2f}x")

@@ -97,5 +97,7 @@ def write_engine_files(model_dir: str | Path) -> Path:
     processor_class = PROCESSOR_CLASS.get(config.get("model_type", ""))
     if processor_class is None:
         raise ValueError(f"no processor class known for model_type {config.get('model_type')!r}")
-    (model_dir / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2) + "\n")
+    (model_dir / "processor_config.json").write_text(
+        json.dumps({"processor_class": processor_class}, indent=2) + "\n"
+    )
     return model_dir

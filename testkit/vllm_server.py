@@ -66,7 +66,9 @@ def launch_vllm(
         "--host", "127.0.0.1", "--port", str(port), *extra_args,
     ]  # fmt: skip
     with log_path.open("w") as log_file:
-        process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=engines_env(), start_new_session=True)
+        process = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, env=engines_env(), start_new_session=True
+        )
         server = VllmServer(process, f"http://127.0.0.1:{port}", log_path)
         try:
             deadline = time.monotonic() + timeout

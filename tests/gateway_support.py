@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from testkit.support import image_bytes
+from testkit.vllm_server import ENGINES_PYTHON, VllmServer, launch_vllm
 
 MAX_TOKENS = 8
 TOP_LOGPROBS = 5
+
+
+@contextlib.contextmanager
+def engine_server(model_dir: Path, log_dir: Path) -> Iterator[VllmServer]:
+    """vLLM on `model_dir`; fails (never skips) without .venv-engines, since CI must run these tests."""
+    if not ENGINES_PYTHON.exists():
+        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
+    with launch_vllm(model_dir, log_path=log_dir / "vllm.log") as server:
+        yield server
 
 
 def data_url(png: bytes) -> str:
@@ -26,11 +40,15 @@ def images(sizes: list[tuple[int, int]], seed: int = 0) -> list[bytes]:
     return [image_bytes(w, h, seed=seed + i) for i, (w, h) in enumerate(sizes)]
 
 
-def chat_request(model: str, parts: list[dict[str, Any]], *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+def chat_request(
+    model: str, parts: list[dict[str, Any]], *, stream: bool = False, max_tokens: int = MAX_TOKENS
+) -> dict[str, Any]:
     """A greedy request that returns each token's id and top logprobs."""
     body = {
         "model": model,
-        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What is in the pictures?"}]}],
+        "messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": "What is in the pictures?"}]}
+        ],
         "max_tokens": max_tokens,
         "temperature": 0,
         "logprobs": True,
@@ -48,12 +66,18 @@ def _token_id(token: str) -> int:
 
 def _steps(logprob_content: list[dict[str, Any]]) -> list[tuple[int, float, dict[int, float]]]:
     return [
-        (_token_id(step["token"]), step["logprob"], {_token_id(t["token"]): t["logprob"] for t in step["top_logprobs"]})
+        (
+            _token_id(step["token"]),
+            step["logprob"],
+            {_token_id(t["token"]): t["logprob"] for t in step["top_logprobs"]},
+        )
         for step in logprob_content
     ]
 
 
-async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[tuple[int, float, dict[int, float]]]:
+async def complete(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> list[tuple[int, float, dict[int, float]]]:
     """POSTs a chat request and returns per generated token (id, logprob, {top id: logprob}), streamed or not."""
     async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
         if reply.status != 200:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import sys
 
 import aiohttp
 import pytest
@@ -18,19 +20,24 @@ from encoder_server.models import load_vision_encoder
 from gateway.app import start
 from gateway.cli import build_parser, config_from_args
 from gateway.config import GatewayConfig
+from gateway.protocol import image_parts, replace_parts
 from gateway.sources import SourcePolicy
 from receiver import EncoderReceiver
+from testkit.checkpoints import write_checkpoint
 from testkit.gated_encoder import GatedEncoder
-from testkit.support import image_bytes, running_server
+from testkit.support import REPO_ROOT, image_bytes, running_server, server_process
 from testkit.vllm_server import free_port
 from tests.gateway_support import chat_request, data_url, image_part
+from tests.test_security import TOKEN, pki, token_file  # noqa: F401  (fixtures)
 
 
 @contextlib.asynccontextmanager
 async def gateway(encoders: list[str], engine_url: str | None = None, **options):
     """A gateway on 127.0.0.1; by default its engine URL is a port nothing listens on."""
     engine_url = engine_url or f"http://127.0.0.1:{free_port()}"
-    config = GatewayConfig(engine_url=engine_url, encoders=tuple(encoders), host="127.0.0.1", port=0, **options)
+    config = GatewayConfig(
+        engine_url=engine_url, encoders=tuple(encoders), host="127.0.0.1", port=0, **options
+    )
     runner, port = await start(config)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -50,8 +57,37 @@ async def encoder(default_model_dir):
         yield server.url
 
 
+def test_image_parts_found_and_replaced_in_place():
+    body = {
+        "messages": [
+            {"role": "system", "content": "plain text"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "data:,x"}, "uuid": "client-id"},
+                {"type": "input_image", "image_url": "data:,y"},
+                {"type": "image_embeds", "image_embeds": {"image_embeds": "..."}},
+            ]},
+        ]
+    }  # fmt: skip
+    parts = image_parts(body)
+    assert [(p.message_index, p.part_index, p.url) for p in parts] == [(1, 1, "data:,x"), (1, 2, "data:,y")]
+    new = replace_parts(body, {part: {"type": "image_embeds", "n": i} for i, part in enumerate(parts)})
+    assert new["messages"][1]["content"][1:3] == [
+        {"type": "image_embeds", "n": 0, "uuid": "client-id"},
+        {"type": "image_embeds", "n": 1},
+    ]
+    assert body["messages"][1]["content"][1]["type"] == "image_url"  # the client's request is left as it was
+    assert new["messages"][1]["content"][3] is body["messages"][1]["content"][3]
+
+
 async def test_bad_image_is_400_naming_message_and_part(encoder):
-    body = chat_request("m", [image_part(image_bytes(64, 64)), {"type": "image_url", "image_url": {"url": data_url(b"not an image")}}])
+    body = chat_request(
+        "m",
+        [
+            image_part(image_bytes(64, 64)),
+            {"type": "image_url", "image_url": {"url": data_url(b"not an image")}},
+        ],
+    )
     async with gateway([encoder]) as url:
         status, _, reply = await post(url, body)
     assert status == 400
@@ -64,7 +100,9 @@ async def test_unreadable_data_uri_is_400_naming_the_part(encoder):
     body = chat_request("m", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}])
     async with gateway([encoder]) as url:
         status, _, reply = await post(url, body)
-    assert status == 400 and reply["error"]["message"].startswith("message 0 part 0: data: URI has invalid base64")
+    assert status == 400 and reply["error"]["message"].startswith(
+        "message 0 part 0: data: URI has invalid base64"
+    )
 
 
 async def test_non_image_part_is_400_with_the_image_only_rule(encoder):
@@ -94,7 +132,9 @@ async def test_no_encoder_reachable_is_503():
 
 async def test_all_encoders_overloaded_is_503_with_retry_after(default_model_dir):
     gated = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
-    async with running_server(default_model_dir, encoder=gated, batching=BatchingConfig(max_queue_items=1)) as server:
+    async with running_server(
+        default_model_dir, encoder=gated, batching=BatchingConfig(max_queue_items=1)
+    ) as server:
         gated.hold()
         async with EncoderReceiver([server.url]) as direct:
             blocker = asyncio.create_task(direct.encode("blocker", [{"data": image_bytes(56, 56, seed=1)}]))
@@ -106,13 +146,37 @@ async def test_all_encoders_overloaded_is_503_with_retry_after(default_model_dir
                 await asyncio.sleep(0.05)
             try:
                 async with gateway([server.url], retry_after_s=7) as url:
-                    status, headers, reply = await post(url, chat_request("m", [image_part(image_bytes(56, 56, seed=3))]))
+                    status, headers, reply = await post(
+                        url, chat_request("m", [image_part(image_bytes(56, 56, seed=3))])
+                    )
             finally:
                 gated.release()
             await asyncio.gather(blocker, queued)
     assert status == 503, reply
     assert headers["Retry-After"] == "7"
     assert "overloaded" in reply["error"]["message"]
+
+
+async def test_client_disconnect_during_encode_cancels_the_encode_call(default_model_dir):
+    gated = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    async with running_server(default_model_dir, encoder=gated) as server, gateway([server.url]) as url:
+        gated.hold()
+        try:
+            client = aiohttp.ClientSession()
+            body = chat_request("m", [image_part(image_bytes(56, 56, seed=5))])
+            sent = asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=body))
+            assert await asyncio.to_thread(gated.in_forward.wait, 30), "the encode never reached the forward"
+            sent.cancel()
+            await client.close()  # the client goes away while its image is being encoded
+            cancelled = {"outcome": "cancelled", "code": "CANCELLED"}
+            for _ in range(200):
+                if server.metrics.registry.get_sample_value("encoder_requests_total", cancelled):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the encoder's Encode call was not cancelled after the client disconnected")
+        finally:
+            gated.release()
 
 
 async def test_engine_down_is_502(encoder):
@@ -137,10 +201,9 @@ async def image_site(png: bytes):
     app.router.add_get("/redirect", redirect)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
 
@@ -158,10 +221,14 @@ async def test_fetch_refuses_redirects_and_allows_internal_only_when_told():
     png = image_bytes(32, 32)
     async with image_site(png) as site:
         with pytest.raises(InvalidItemError, match="loopback"):
-            await asyncio.to_thread(fetch_http, f"{site}/image.png", max_bytes=1 << 20, timeout_s=5, allow_internal=False)
+            await asyncio.to_thread(
+                fetch_http, f"{site}/image.png", max_bytes=1 << 20, timeout_s=5, allow_internal=False
+            )
         assert await asyncio.to_thread(fetch_http, f"{site}/image.png", max_bytes=1 << 20, timeout_s=5) == png
         with pytest.raises(InvalidItemError, match="redirect"):
-            await asyncio.to_thread(fetch_http, f"{site}/redirect", max_bytes=1 << 20, timeout_s=5, follow_redirects=False)
+            await asyncio.to_thread(
+                fetch_http, f"{site}/redirect", max_bytes=1 << 20, timeout_s=5, follow_redirects=False
+            )
         with pytest.raises(InvalidItemError, match="over the limit"):
             await asyncio.to_thread(fetch_http, f"{site}/image.png", max_bytes=100, timeout_s=5)
 
@@ -182,24 +249,84 @@ async def test_file_urls_only_under_roots(encoder, tmp_path):
     outside = tmp_path / "b.png"
     outside.write_bytes(image_bytes(64, 64))
     async with gateway([encoder], sources=SourcePolicy(file_roots=(tmp_path / "inside",))) as url:
-        status, _, reply = await post(url, chat_request("m", [{"type": "image_url", "image_url": {"url": outside.as_uri()}}]))
+        status, _, reply = await post(
+            url, chat_request("m", [{"type": "image_url", "image_url": {"url": outside.as_uri()}}])
+        )
         assert status == 400 and "outside the allowed directories" in reply["error"]["message"]
-        status, _, reply = await post(url, chat_request("m", [{"type": "image_url", "image_url": {"url": inside.as_uri()}}]))
+        status, _, reply = await post(
+            url, chat_request("m", [{"type": "image_url", "image_url": {"url": inside.as_uri()}}])
+        )
         assert status == 502, reply  # read and encoded; the engine is down
     async with gateway([encoder]) as url:
-        status, _, reply = await post(url, chat_request("m", [{"type": "image_url", "image_url": {"url": inside.as_uri()}}]))
+        status, _, reply = await post(
+            url, chat_request("m", [{"type": "image_url", "image_url": {"url": inside.as_uri()}}])
+        )
         assert status == 400 and "file:// URLs are disabled" in reply["error"]["message"]
 
 
-def test_every_flag_reads_an_environment_variable(monkeypatch):
+async def test_start_up_refuses_a_family_vllm_cannot_take_embeddings_of(tmp_path):
+    model_dir = write_checkpoint("llava", tmp_path / "llava")
+    async with running_server(model_dir) as server:
+        with pytest.raises(ValueError, match="the encoders serve family 'llava'"):
+            async with gateway([server.url]):
+                pass
+
+
+def test_config_from_the_environment(monkeypatch, tmp_path):
+    (tmp_path / "token").write_text("secret\n")
     monkeypatch.setenv("ENCODER_GATEWAY_ENGINE_URL", "http://engine:8000")
     monkeypatch.setenv("ENCODER_GATEWAY_ENCODERS", "grpc://a:1, grpc://b:2")
     monkeypatch.setenv("ENCODER_GATEWAY_ALLOW_INTERNAL_URLS", "true")
-    monkeypatch.setenv("ENCODER_GATEWAY_AUTH_TOKEN", "secret")
+    monkeypatch.setenv("ENCODER_GATEWAY_AUTH_TOKEN_FILE", str(tmp_path / "token"))
     config = config_from_args(build_parser().parse_args([]))
     assert config.engine_url == "http://engine:8000"
     assert config.encoders == ("grpc://a:1", "grpc://b:2")
     assert config.sources.allow_internal_urls and config.auth_token == "secret"
-    for action in build_parser()._actions:
-        if action.option_strings and action.dest != "help":
-            assert "[env ENCODER_GATEWAY_" in action.help, action.option_strings
+
+
+async def test_mtls_and_token_flags_reach_the_encoders(default_model_dir, pki, token_file, tmp_path):
+    """An encoder serving mTLS with a bearer token: the gateway's TLS and token flags get the image encoded
+    (the request then reaches the engine, down here: 502); without the token the encoder refuses it."""
+    flags = ["--dtype", "float32", "--tls-cert-file", str(pki.server.cert_file), "--tls-key-file",
+             str(pki.server.key_file), "--tls-client-ca-file", str(pki.ca.cert_file), "--auth-token-file", str(token_file)]  # fmt: skip
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    with server_process(default_model_dir, *flags, log_dir=tmp_path) as encoder:
+        common = ["--engine-url", f"http://127.0.0.1:{free_port()}", "--encoders", f"grpcs://127.0.0.1:{encoder.port}",
+                  "--tls-ca-file", str(pki.ca.cert_file), "--tls-cert-file", str(pki.client.cert_file),
+                  "--tls-key-file", str(pki.client.key_file), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
+        body = chat_request("m", [image_part(image_bytes(56, 56))])
+        for extra, expected in (
+            (["--auth-token-file", str(tmp_path / "token")], "the engine at"),
+            ([], "UNAUTHENTICATED"),
+        ):
+            runner, port = await start(config_from_args(build_parser().parse_args([*common, *extra])))
+            try:
+                status, _, reply = await post(f"http://127.0.0.1:{port}", body)
+            finally:
+                await runner.cleanup()
+            assert status == 502 and expected in reply["error"]["message"], reply
+
+
+async def test_command_serves_health_and_stops_on_sigterm():
+    """`python -m gateway` (the encoder-gateway command): ready line, /health naming what is down, clean stop."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", "0",
+        "--engine-url", f"http://127.0.0.1:{free_port()}", "--encoders", f"grpc://127.0.0.1:{free_port()}",
+        cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode()
+        match = re.match(r"encoder-gateway ready on 127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{match.group(1)}/health") as reply:
+                state = await reply.json()
+                assert reply.status == 503
+        assert state["engine"]["status"] == "unreachable"
+        assert list(state["encoders"].values()) == ["NOT_SERVING"]
+        process.terminate()
+        assert await asyncio.wait_for(process.wait(), 60) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

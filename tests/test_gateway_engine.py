@@ -14,8 +14,14 @@ from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part
 from receiver import EncoderReceiver
 from testkit.support import running_server
-from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
-from tests.gateway_support import chat_request, complete, image_part, images, largest_difference
+from tests.gateway_support import (
+    chat_request,
+    complete,
+    engine_server,
+    image_part,
+    images,
+    largest_difference,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -24,9 +30,7 @@ TOLERANCE = 1e-4  # float32 engine and encoders; the towers differ only in kerne
 
 @pytest.fixture(scope="module")
 def vllm(default_model_dir, tmp_path_factory):
-    if not ENGINES_PYTHON.exists():
-        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
-    with launch_vllm(default_model_dir, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log") as server:
+    with engine_server(default_model_dir, tmp_path_factory.mktemp("vllm")) as server:
         yield server
 
 
@@ -67,7 +71,9 @@ async def test_same_tokens_as_vllm_alone(gateway, vllm, default_model_dir, sessi
     through_gateway = await complete(session, gateway, body)
     assert len(direct) > 0
     difference = largest_difference(through_gateway, direct)
-    print(f"\n{count} images, stream={stream}: {len(direct)} tokens equal, largest logprob difference {difference:.2e}")
+    print(
+        f"\n{count} images, stream={stream}: {len(direct)} tokens equal, largest logprob difference {difference:.2e}"
+    )
     assert difference <= TOLERANCE
 
 
@@ -91,7 +97,9 @@ async def test_client_precomputed_item_beside_raw_images(gateway, vllm, default_
     raw = [image_part(first), image_part(second), image_part(third)]
     for stream in (False, True):
         direct = await complete(session, vllm.url, chat_request(str(default_model_dir), raw, stream=stream))
-        through_gateway = await complete(session, gateway, chat_request(str(default_model_dir), mixed, stream=stream))
+        through_gateway = await complete(
+            session, gateway, chat_request(str(default_model_dir), mixed, stream=stream)
+        )
         difference = largest_difference(through_gateway, direct)
         print(f"\nprecomputed + raw, stream={stream}: largest logprob difference {difference:.2e}")
         assert difference <= TOLERANCE
@@ -100,7 +108,9 @@ async def test_client_precomputed_item_beside_raw_images(gateway, vllm, default_
 async def test_models_and_health(gateway, vllm, session, encoders):
     async with session.get(f"{gateway}/v1/models") as via, session.get(f"{vllm.url}/v1/models") as direct:
         assert via.status == direct.status == 200
-        assert [m["id"] for m in (await via.json())["data"]] == [m["id"] for m in (await direct.json())["data"]]
+        assert [m["id"] for m in (await via.json())["data"]] == [
+            m["id"] for m in (await direct.json())["data"]
+        ]
     async with session.get(f"{gateway}/health") as reply:
         state = await reply.json()
         assert reply.status == 200, state
@@ -123,8 +133,12 @@ async def _running_requests(session: aiohttp.ClientSession, vllm_url: str) -> fl
     return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))
 
 
-async def test_client_disconnect_mid_stream_aborts_the_engine_request(gateway, vllm, default_model_dir, session):
-    body = chat_request(str(default_model_dir), [image_part(images([(112, 112)])[0])], stream=True, max_tokens=3000)
+async def test_client_disconnect_mid_stream_aborts_the_engine_request(
+    gateway, vllm, default_model_dir, session
+):
+    body = chat_request(
+        str(default_model_dir), [image_part(images([(112, 112)])[0])], stream=True, max_tokens=3000
+    )
     body["ignore_eos"] = True  # long enough that only an abort ends it within the test
     client = aiohttp.ClientSession()
     reply = await client.post(f"{gateway}/v1/chat/completions", json=body)
@@ -139,4 +153,6 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_request(gateway, v
     else:
         pytest.fail("vLLM still runs the request 60 s after the client disconnected from the gateway")
     async with session.get(f"{gateway}/metrics") as reply:
-        assert re.search(r'encoder_gateway_requests_total{outcome="cancelled",status="499"} 1\.0', await reply.text())
+        assert re.search(
+            r'encoder_gateway_requests_total{outcome="cancelled",status="499"} 1\.0', await reply.text()
+        )

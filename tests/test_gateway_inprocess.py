@@ -21,14 +21,24 @@ def test_llm_generate_with_helper_inputs_equals_raw_images(default_model_dir, tm
         paths[-1].write_bytes(image_bytes(w, h, seed=90 + i))
     with server_process(default_model_dir, "--dtype", "float32", log_dir=tmp_path) as encoder:
         run = subprocess.run(
-            [str(ENGINES_PYTHON), str(REPO_ROOT / "tests" / "vllm_inprocess.py"), str(default_model_dir), encoder.url, *map(str, paths)],
+            [
+                str(ENGINES_PYTHON),
+                str(REPO_ROOT / "tests" / "vllm_inprocess.py"),
+                str(default_model_dir),
+                encoder.url,
+                *map(str, paths),
+            ],
             env=engines_env(),
             capture_output=True,
             text=True,
             timeout=900,
         )
     assert run.returncode == 0, run.stderr[-5000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    print(f"\nLLM.generate: ids {report['raw_ids']}, largest logprob difference {report['largest_difference']:.2e}")
+    results = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, run.stdout[-5000:] + run.stderr[-5000:]
+    report = json.loads(results[-1].removeprefix("RESULT "))
+    print(
+        f"\nLLM.generate: ids {report['raw_ids']}, largest logprob difference {report['largest_difference']:.2e}"
+    )
     assert report["embedded_ids"] == report["raw_ids"]
     assert report["largest_difference"] <= 1e-4

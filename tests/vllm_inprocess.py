@@ -1,6 +1,6 @@
 """Run in .venv-engines (the checkout on PYTHONPATH): vLLM's `LLM.generate` on the same prompt, once with
 the raw images (vLLM runs its own tower) and once with `gateway.handoff.multi_modal_data` of the items the
-encoder servers returned; prints one JSON line comparing greedy ids and top logprobs.
+encoder servers returned; prints one line, RESULT and JSON, comparing greedy ids and top logprobs.
 
     python tests/vllm_inprocess.py MODEL_DIR ENCODER_URL IMAGE...
 """
@@ -11,6 +11,7 @@ import asyncio
 import io
 import json
 import sys
+from pathlib import Path
 
 
 def main(model_dir: str, encoder_url: str, image_paths: list[str]) -> None:
@@ -21,7 +22,7 @@ def main(model_dir: str, encoder_url: str, image_paths: list[str]) -> None:
     from gateway.handoff import multi_modal_data
     from receiver import EncoderReceiver
 
-    pngs = [open(path, "rb").read() for path in image_paths]
+    pngs = [Path(path).read_bytes() for path in image_paths]
 
     async def encode():
         async with EncoderReceiver([encoder_url]) as receiver:
@@ -30,7 +31,9 @@ def main(model_dir: str, encoder_url: str, image_paths: list[str]) -> None:
     result = asyncio.run(encode())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     content = [{"type": "image"} for _ in pngs] + [{"type": "text", "text": "What is in the pictures?"}]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
     llm = LLM(
         model=model_dir,
         dtype="float32",
@@ -49,7 +52,17 @@ def main(model_dir: str, encoder_url: str, image_paths: list[str]) -> None:
     for want, got in zip(raw.logprobs, embedded.logprobs):
         for token in want.keys() & got.keys():
             worst = max(worst, abs(want[token].logprob - got[token].logprob))
-    print(json.dumps({"raw_ids": list(raw.token_ids), "embedded_ids": list(embedded.token_ids), "largest_difference": worst}))
+    print(
+        "RESULT",
+        json.dumps(
+            {
+                "raw_ids": list(raw.token_ids),
+                "embedded_ids": list(embedded.token_ids),
+                "largest_difference": worst,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes that import this module
