@@ -3,7 +3,7 @@
 gateway receives the item, writes base64(torch.save) into the chat request, vLLM parses it back).
 
 The item is 1,024 tokens x 3,584 bf16 (Qwen2.5-VL-7B's width, 7 MiB). The encoder is a real server
-process whose tower is a stand-in returning that item (testkit.support.FixedSizeEncoder), so the
+process whose tower is a stand-in returning that item (testkit.fixed_server), so the
 figures are the hand-off alone. Both sides of the JSON path run here; the HTTP transfer of its
 ~9.3 MiB body to the engine is not counted (it would only add to the JSON side).
 
@@ -18,7 +18,6 @@ import base64
 import io
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,34 +30,10 @@ sys.path.insert(0, str(REPO_ROOT))
 from gateway.handoff import image_embeds_part  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from receiver.item_files import create_item_file, map_item_file, new_item_path  # noqa: E402
+from testkit.fixed_server import fixed_server  # noqa: E402
 
 TOKENS, HIDDEN = 1024, 3584
 BENCH_PREFIX = "bench-connector"
-
-
-def serve() -> None:
-    """The encoder process: the real server with a stand-in tower, shared memory and leases on."""
-    import logging
-
-    from encoder_server.cli import tune_malloc
-    from encoder_server.server import EncoderServer
-    from encoder_server.shm import ShmConfig
-    from testkit.support import FixedSizeEncoder, server_config
-
-    logging.basicConfig(level=logging.WARNING)
-    tune_malloc()
-
-    async def run() -> None:
-        config = server_config(REPO_ROOT / "no-checkpoint", dtype=torch.bfloat16, shm=ShmConfig())
-        server = EncoderServer(config, encoder=FixedSizeEncoder(TOKENS, HIDDEN, torch.bfloat16))
-        await server.start()
-        print(f"ready {server.port}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(
-            None, sys.stdin.read
-        )  # until the parent closes stdin
-        await server.stop(grace=0)
-
-    asyncio.run(run())
 
 
 def image_png() -> bytes:
@@ -136,26 +111,9 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:
-        serve()
-        return 0
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--serve"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
-    try:
-        line = process.stdout.readline().split()
-        if not line or line[0] != "ready":
-            raise RuntimeError("the bench encoder did not start")
-        figures = asyncio.run(measure(f"grpc://127.0.0.1:{line[1]}", args.rounds))
-    finally:
-        process.stdin.close()
-        process.wait(timeout=30)
+    with fixed_server(TOKENS, HIDDEN) as url:
+        figures = asyncio.run(measure(url, args.rounds))
     ms = {name: value * 1000 for name, value in figures["median_s"].items()}
     mib = figures["payload_bytes"] / (1 << 20)
     print(f"hand-off of one {TOKENS} x {HIDDEN} bf16 item ({mib:.1f} MiB), median of {args.rounds} rounds:")

@@ -21,11 +21,9 @@ import json
 import multiprocessing
 import pickle
 import statistics
-import subprocess
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -36,59 +34,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from receiver import EncoderReceiver  # noqa: E402
+from testkit.fixed_server import fixed_server  # noqa: E402
 
 HIDDEN = 2048  # bf16 rows of 4 KiB
 MIB = 1 << 20
-
-
-def serve_fixed(num_tokens: int) -> None:
-    """The server process: the real server and servicer, a stand-in tower, --shm-transfer on."""
-    import logging
-
-    from encoder_server.cli import tune_malloc
-    from encoder_server.server import EncoderServer
-    from encoder_server.shm import ShmConfig
-    from testkit.support import FixedSizeEncoder, server_config
-
-    logging.basicConfig(level=logging.WARNING)
-    tune_malloc()  # as the encoder-server CLI does
-
-    async def run() -> None:
-        config = server_config(
-            REPO_ROOT / "no-checkpoint", dtype=torch.bfloat16, shm=ShmConfig(max_bytes=1 << 30)
-        )
-        server = EncoderServer(config, encoder=FixedSizeEncoder(num_tokens, HIDDEN, torch.bfloat16))
-        await server.start()
-        print(f"ready {server.port}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(
-            None, sys.stdin.read
-        )  # until the parent closes stdin
-        await server.stop(grace=0)
-
-    asyncio.run(run())
-
-
-@contextmanager
-def fixed_server(num_tokens: int):
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--serve-tokens", str(num_tokens)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
-    try:
-        line = process.stdout.readline().split()
-        if not line or line[0] != "ready":
-            raise RuntimeError("bench server did not start")
-        yield f"grpc://127.0.0.1:{line[1]}"
-    finally:
-        process.stdin.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def zmq_sender(port: int, nbytes: int, count: int) -> None:
@@ -201,7 +150,7 @@ def run_size(size_mib: int, rounds: int) -> dict:
     calls = 6 if size_mib <= 8 else 4
     names = ("memcpy", "zmq", "zmq_view", "grpc", "shm", "grpc_latency", "shm_latency")
     rows: dict[str, list[float]] = {name: [] for name in names}
-    with fixed_server(nbytes // (HIDDEN * 2)) as url:
+    with fixed_server(nbytes // (HIDDEN * 2), HIDDEN) as url:
         for _ in range(rounds):  # interleaved, so that noise on a shared machine hits every contender
             memcpy_before = measure_memcpy(nbytes, 30)
             rows["zmq"].append(measure_zmq(nbytes, calls * items_per_call, clone=True))
@@ -225,18 +174,13 @@ def main() -> int:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 32], help="item sizes (bf16)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--serve-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_tokens:
-        serve_fixed(args.serve_tokens)
-        return 0
-
     print(f"same-host transfer of bf16 items into the receiver's tensor; medians of {args.rounds} rounds")
     print(
         f"{'item':>6} | GB/s: {'memcpy':>6} {'zmq':>6} {'zmq-view':>8} {'grpc':>6} {'shm':>6}"
         f" | shm/zmq shm/zmq-view shm/memcpy shm/grpc | 1-item ms: {'grpc':>6} {'shm':>6} shm/grpc"
     )
-    with fixed_server(1) as url:  # 4 KiB: what every call costs, whatever carries the bytes
+    with fixed_server(1, HIDDEN) as url:  # 4 KiB: what every call costs, whatever carries the bytes
         floor = asyncio.run(measure_latency(url, 30))
     results = {"floor_latency_s": floor}
     goals_met = True
