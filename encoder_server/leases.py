@@ -14,7 +14,7 @@ from encoder_common.errors import InvalidItemError, NotFoundError
 from protos import encoder_pb2 as pb
 
 if TYPE_CHECKING:  # the CLI reads this module's defaults before any torch import
-    from .cache import ItemPayload
+    from .payload import ItemPayload
 
 DEFAULT_LEASE_MAX_BYTES = 1 << 30
 DEFAULT_LEASE_MAX_TTL_S = 60.0

@@ -27,12 +27,13 @@ from encoder_common.errors import (
 
 from . import __version__
 from .batcher import Batcher
-from .cache import EmbeddingCache, ItemPayload, cache_namespace, content_key
+from .cache import EmbeddingCache, cache_namespace, content_key
 from .config import ServerConfig
 from .images import decode_image
 from .leases import LeaseStore
 from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
+from .payload import ItemPayload
 from .shm import ShmCall, ShmSegments
 from .sources import item_bytes
 

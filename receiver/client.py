@@ -95,7 +95,7 @@ class EncoderReceiver:
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self.failover = failover or FailoverPolicy()
         self._rng = random.Random(seed)
-        self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`
+        self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`; "auto" touches no file yet
         self._jitter = random.Random()
         self.metrics = metrics or ReceiverMetrics()
         self.discovery = EncoderDiscovery(self.urls, resolver=resolver, refresh_s=refresh_s, metrics=self.metrics)
@@ -362,16 +362,16 @@ class EncoderReceiver:
             )
 
         withheld = lease is not None and lease.withhold_payload
-        shm = self._shm if offer_shm and not withheld else None
+        offer = self._shm is not None and offer_shm and not withheld
+        shm_offer = self._shm.offer(endpoint.url) if offer else None
         request = pb.EncodeRequest(
             request_id=request_id,
             items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=sources[i].data) for i in indices],
-            shm=shm.offer() if shm is not None else None,
+            shm=shm_offer,
             lease=lease,
         )
-        assembler = ShardAssembler(
-            indices, endpoint.url, shm.reader(request_id) if shm is not None else None, payloads=not withheld
-        )
+        read_shm = self._shm.reader(request_id) if shm_offer is not None else None
+        assembler = ShardAssembler(indices, endpoint.url, read_shm, payloads=not withheld)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return shard_error(_DEADLINE, "the request's deadline passed before the call")

@@ -65,10 +65,10 @@ async def fetch_from(
     StreamProtocolError when the stream breaks the contract. Items whose shared-memory segment
     could not be used are fetched again over the stream.
     """
-    request = pb.FetchRequest(request_id=request_id, keys=keys, shm=shm.offer() if shm is not None else None)
-    assembler = ShardAssembler(
-        range(len(keys)), endpoint.url, shm.reader(request_id) if shm is not None else None, allocate
-    )
+    shm_offer = shm.offer(endpoint.url) if shm is not None else None
+    request = pb.FetchRequest(request_id=request_id, keys=keys, shm=shm_offer)
+    read_shm = shm.reader(request_id) if shm_offer is not None else None
+    assembler = ShardAssembler(range(len(keys)), endpoint.url, read_shm, allocate)
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)(

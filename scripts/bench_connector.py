@@ -31,23 +31,16 @@ from gateway.handoff import image_embeds_part  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from receiver.item_files import create_item_file, map_item_file, new_item_path  # noqa: E402
 from testkit.fixed_server import fixed_server  # noqa: E402
+from testkit.images import image_bytes  # noqa: E402
 
 TOKENS, HIDDEN = 1024, 3584
 BENCH_PREFIX = "bench-connector"
 
 
-def image_png() -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (16, 16), (90, 120, 200)).save(buf, "PNG")
-    return buf.getvalue()
-
-
 async def connector_handoff(rx: EncoderReceiver, round_index: int) -> float:
     """Seconds from the engine's fetch to the tensor in the worker: Fetch into a file, map it."""
     encoded = await rx.encode(
-        f"lease-{round_index}", [{"data": image_png()}], lease_ms=60_000, withhold_payloads=True
+        f"lease-{round_index}", [{"data": image_bytes(16, 16)}], lease_ms=60_000, withhold_payloads=True
     )
     key = encoded.items[0].lease.key
     path = new_item_path(Path("/dev/shm"), BENCH_PREFIX)
@@ -68,7 +61,7 @@ async def json_handoff(rx: EncoderReceiver, round_index: int) -> tuple[float, fl
     """Seconds of the JSON path's three steps: the item to the gateway, the gateway writing the chat
     part, vLLM reading it back (json, base64, torch.load as its chat utilities do); and the part's size."""
     started = time.perf_counter()
-    item = (await rx.encode(f"inline-{round_index}", [{"data": image_png()}])).items[0]
+    item = (await rx.encode(f"inline-{round_index}", [{"data": image_bytes(16, 16)}])).items[0]
     received = time.perf_counter()
     body = json.dumps({"messages": [{"role": "user", "content": [image_embeds_part(item)]}]})
     written = time.perf_counter()

@@ -34,6 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from receiver import EncoderReceiver  # noqa: E402
+from testkit.images import image_bytes  # noqa: E402
 from testkit.fixed_server import fixed_server  # noqa: E402
 
 HIDDEN = 2048  # bf16 rows of 4 KiB
@@ -96,19 +97,9 @@ def measure_memcpy(nbytes: int, count: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def image() -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (16, 16), (90, 120, 200)).save(buf, "PNG")
-    return buf.getvalue()
-
-
 async def measure_throughput(url: str, transfer: str, nbytes: int, items_per_call: int, calls: int) -> float:
     """Bytes per second of calls carrying several items each."""
-    items = [{"data": image()}] * items_per_call
+    items = [{"data": image_bytes(16, 16)}] * items_per_call
     async with EncoderReceiver([url], transfer=transfer) as rx:
         for _ in range(2):
             await rx.encode("warmup", items)
@@ -132,7 +123,7 @@ async def measure_latency(url: str, calls: int) -> dict[str, float]:
         for i in range(3 + calls):
             for transfer, rx in (("grpc", grpc_rx), ("shm", shm_rx)):
                 begun = time.perf_counter()
-                await rx.encode(f"one-{i}", [{"data": image()}])
+                await rx.encode(f"one-{i}", [{"data": image_bytes(16, 16)}])
                 if i >= 3:  # after warm-up
                     latencies[transfer].append(time.perf_counter() - begun)
         check_no_fallback(shm_rx)
@@ -175,6 +166,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
+
     print(f"same-host transfer of bf16 items into the receiver's tensor; medians of {args.rounds} rounds")
     print(
         f"{'item':>6} | GB/s: {'memcpy':>6} {'zmq':>6} {'zmq-view':>8} {'grpc':>6} {'shm':>6}"

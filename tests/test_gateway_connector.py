@@ -12,7 +12,8 @@ from gateway.protocol import image_parts, replace_parts
 from receiver import EncoderReceiver
 from receiver.fetch import lease_key
 from testkit.checkpoints import write_checkpoint
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 from tests.gateway_support import chat_request, image_part
 
 

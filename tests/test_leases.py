@@ -15,7 +15,8 @@ from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver
 from receiver.channels import EncoderEndpoint
 from receiver.fetch import FetchFailedError
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 IMAGES = [image_bytes(64, 48, seed=1), image_bytes(96, 64, seed=2)]
 

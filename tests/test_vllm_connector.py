@@ -21,7 +21,8 @@ from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part, leased_part
 from receiver import EncoderReceiver
 from testkit.checkpoints import rewrite_tensors
-from testkit.support import running_server, server_process
+from testkit.launcher import launch_server
+from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, engines_env, launch_vllm
 from tests.gateway_support import chat_request, complete, image_part, images, largest_difference
 
@@ -110,7 +111,7 @@ async def encoders(default_model_dir):
 @pytest.fixture(scope="module")
 def killable_encoder(default_model_dir, tmp_path_factory):
     """An encoder in a process of its own, for the test that kills it between encode and fetch."""
-    with server_process(
+    with launch_server(
         default_model_dir, "--dtype", "float32", log_dir=tmp_path_factory.mktemp("killable")
     ) as server:
         yield server
