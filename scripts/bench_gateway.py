@@ -27,7 +27,8 @@ from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part, serialize_tensor
 from receiver import EncoderReceiver
 from testkit.default_model import write_default_model
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 from testkit.vllm_server import launch_vllm
 from tests.gateway_support import chat_request, image_part
 

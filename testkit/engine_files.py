@@ -68,7 +68,8 @@ def write_engine_files(model_dir: str | Path) -> Path:
     if vocab_size < 256 + len(specials) or max(specials.values()) >= vocab_size:
         raise ValueError(f"vocab_size {vocab_size} cannot hold 256 byte tokens and the specials {specials}")
     free_ids = iter(i for i in range(vocab_size) if i not in specials.values())
-    vocab = {char: next(free_ids) for char in pre_tokenizers.ByteLevel.alphabet()}
+    # alphabet() comes in no fixed order: sorted, the same checkpoint gets the same ids every time.
+    vocab = {char: next(free_ids) for char in sorted(pre_tokenizers.ByteLevel.alphabet())}
     reserved = {f"<|reserved_{n}|>": i for n, i in enumerate(free_ids)}
     vocab.update(specials)
     vocab.update(reserved)

@@ -1,4 +1,8 @@
-"""Starts vLLM's OpenAI server from .venv-engines on a checkpoint (engine tests, the gateway benchmark)."""
+"""Starts vLLM's OpenAI server from .venv-engines on a checkpoint (engine tests, the gateway benchmark).
+
+Apart from testkit.launcher because vLLM prints no `ready on host:port` line: it is ready when /health
+answers 200, on a port chosen before it starts.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from testkit import REPO_ROOT
+
 ENGINES_PYTHON = REPO_ROOT / ".venv-engines" / "bin" / "python"
 
 

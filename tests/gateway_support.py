@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from testkit.support import image_bytes
+from testkit.images import image_bytes
 from testkit.vllm_server import ENGINES_PYTHON, VllmServer, launch_vllm
 
 MAX_TOKENS = 8
@@ -101,7 +101,7 @@ async def complete(
         return steps
 
 
-def largest_difference(got: list, want: list) -> float:
+def logprob_gap(got: list, want: list) -> float:
     """Asserts the same token ids and top-logprob ids, and returns the largest logprob difference."""
     assert [step[0] for step in got] == [step[0] for step in want]
     worst = 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import subprocess
 import sys
 
 import aiohttp
@@ -24,8 +25,11 @@ from gateway.protocol import image_parts, replace_parts
 from gateway.sources import SourcePolicy
 from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
-from testkit.gated_encoder import GatedEncoder
-from testkit.support import REPO_ROOT, image_bytes, running_server, server_process
+from testkit import REPO_ROOT
+from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
+from testkit.launcher import launch_server
+from testkit.servers import running_server
 from testkit.vllm_server import free_port
 from tests.gateway_support import chat_request, data_url, image_part
 from tests.test_security import TOKEN, pki, token_file  # noqa: F401  (fixtures)
@@ -131,7 +135,7 @@ async def test_no_encoder_reachable_is_503():
 
 
 async def test_all_encoders_overloaded_is_503_with_retry_after(default_model_dir):
-    gated = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    gated = EncoderDouble(load_vision_encoder(default_model_dir, "cpu", torch.float32))
     async with running_server(
         default_model_dir, encoder=gated, batching=BatchingConfig(max_queue_items=1)
     ) as server:
@@ -158,7 +162,7 @@ async def test_all_encoders_overloaded_is_503_with_retry_after(default_model_dir
 
 
 async def test_client_disconnect_during_encode_cancels_the_encode_call(default_model_dir):
-    gated = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    gated = EncoderDouble(load_vision_encoder(default_model_dir, "cpu", torch.float32))
     async with running_server(default_model_dir, encoder=gated) as server, gateway([server.url]) as url:
         gated.hold()
         try:
@@ -290,7 +294,7 @@ async def test_mtls_and_token_flags_reach_the_encoders(default_model_dir, pki, t
     flags = ["--dtype", "float32", "--tls-cert-file", str(pki.server.cert_file), "--tls-key-file",
              str(pki.server.key_file), "--tls-client-ca-file", str(pki.ca.cert_file), "--auth-token-file", str(token_file)]  # fmt: skip
     (tmp_path / "token").write_text(TOKEN + "\n")
-    with server_process(default_model_dir, *flags, log_dir=tmp_path) as encoder:
+    with launch_server(default_model_dir, *flags, log_dir=tmp_path) as encoder:
         common = ["--engine-url", f"http://127.0.0.1:{free_port()}", "--encoders", f"grpcs://127.0.0.1:{encoder.port}",
                   "--tls-ca-file", str(pki.ca.cert_file), "--tls-cert-file", str(pki.client.cert_file),
                   "--tls-key-file", str(pki.client.key_file), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
@@ -330,3 +334,13 @@ async def test_command_serves_health_and_stops_on_sigterm():
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def test_receiver_and_the_in_process_helper_do_not_pull_in_the_http_stack():
+    check = (
+        "import sys, receiver, gateway.handoff; "
+        "assert 'aiohttp' not in sys.modules, 'aiohttp imported'; "
+        "assert 'gateway.app' not in sys.modules, 'gateway.app imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -13,15 +13,8 @@ from gateway.app import start
 from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part
 from receiver import EncoderReceiver
-from testkit.support import running_server
-from tests.gateway_support import (
-    chat_request,
-    complete,
-    engine_server,
-    image_part,
-    images,
-    largest_difference,
-)
+from testkit.servers import running_server
+from tests.gateway_support import chat_request, complete, engine_server, image_part, images, logprob_gap
 
 pytestmark = pytest.mark.engine
 
@@ -70,7 +63,7 @@ async def test_same_tokens_as_vllm_alone(gateway, vllm, default_model_dir, sessi
     direct = await complete(session, vllm.url, body)
     through_gateway = await complete(session, gateway, body)
     assert len(direct) > 0
-    difference = largest_difference(through_gateway, direct)
+    difference = logprob_gap(through_gateway, direct)
     print(
         f"\n{count} images, stream={stream}: {len(direct)} tokens equal, largest logprob difference {difference:.2e}"
     )
@@ -100,7 +93,7 @@ async def test_client_precomputed_item_beside_raw_images(gateway, vllm, default_
         through_gateway = await complete(
             session, gateway, chat_request(str(default_model_dir), mixed, stream=stream)
         )
-        difference = largest_difference(through_gateway, direct)
+        difference = logprob_gap(through_gateway, direct)
         print(f"\nprecomputed + raw, stream={stream}: largest logprob difference {difference:.2e}")
         assert difference <= TOLERANCE
 

@@ -12,15 +12,8 @@ from gateway.config import GatewayConfig
 from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
-from testkit.support import running_server
-from tests.gateway_support import (
-    chat_request,
-    complete,
-    engine_server,
-    image_part,
-    images,
-    largest_difference,
-)
+from testkit.servers import running_server
+from tests.gateway_support import chat_request, complete, engine_server, image_part, images, logprob_gap
 
 pytestmark = pytest.mark.engine
 
@@ -62,7 +55,7 @@ async def test_qwen3_vl_deepstack_reaches_vllm(qwen3_model, vllm, stream):
                 through_gateway = await complete(session, f"http://127.0.0.1:{port}", body)
         finally:
             await runner.cleanup()
-    difference = largest_difference(through_gateway, direct)
+    difference = logprob_gap(through_gateway, direct)
     print(
         f"\nQwen3-VL, 2 images, stream={stream}: {len(direct)} tokens equal, largest logprob difference {difference:.2e}"
     )

@@ -8,7 +8,9 @@ import subprocess
 
 import pytest
 
-from testkit.support import REPO_ROOT, image_bytes, server_process
+from testkit import REPO_ROOT
+from testkit.images import image_bytes
+from testkit.launcher import launch_server
 from testkit.vllm_server import ENGINES_PYTHON, engines_env
 
 pytestmark = pytest.mark.engine
@@ -19,7 +21,7 @@ def test_llm_generate_with_helper_inputs_equals_raw_images(default_model_dir, tm
     for i, (w, h) in enumerate([(112, 84), (224, 196)]):
         paths.append(tmp_path / f"image{i}.png")
         paths[-1].write_bytes(image_bytes(w, h, seed=90 + i))
-    with server_process(default_model_dir, "--dtype", "float32", log_dir=tmp_path) as encoder:
+    with launch_server(default_model_dir, "--dtype", "float32", log_dir=tmp_path) as encoder:
         run = subprocess.run(
             [
                 str(ENGINES_PYTHON),
