@@ -24,7 +24,7 @@ from testkit.checkpoints import rewrite_tensors
 from testkit.launcher import launch_server
 from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, engines_env, launch_vllm
-from tests.gateway_support import chat_request, complete, image_part, images, largest_difference
+from tests.gateway_support import chat_request, complete, image_part, images, logprob_gap
 
 pytestmark = pytest.mark.engine
 
@@ -170,14 +170,14 @@ async def assert_engine_serves(session, consumer, encoders, reference, case: str
         assert reply.status == 200
     parts = await leased_parts([encoders[0].url], CASES[case])
     got = await complete(session, consumer.url, chat_request(MODEL, parts))
-    assert largest_difference(got, reference[case]) <= TOLERANCE
+    assert logprob_gap(got, reference[case]) <= TOLERANCE
 
 
 @pytest.mark.parametrize("count", ["1", "2", "5"])
 async def test_through_the_gateway_same_tokens_as_vllm_alone(gateway, reference, encoders, session, count):
     before = [server.leases.fetches for server in encoders[:2]]
     got = await complete(session, gateway, chat_request(MODEL, [image_part(p) for p in CASES[count]]))
-    difference = largest_difference(got, reference[count])
+    difference = logprob_gap(got, reference[count])
     print(f"\n{count} images through the connector: {len(got)} tokens equal, largest logprob difference {difference:.2e}")
     assert difference <= TOLERANCE
     fetched = [server.leases.fetches - b for server, b in zip(encoders[:2], before)]
@@ -196,7 +196,7 @@ async def test_client_precomputed_item_beside_raw_images(gateway, reference, enc
     grants = [server.leases.grants for server in encoders[:2]]
     parts = [image_part(first), image_embeds_part(precomputed.items[0]), image_part(third)]
     got = await complete(session, gateway, chat_request(MODEL, parts))
-    difference = largest_difference(got, reference["mixed"])
+    difference = logprob_gap(got, reference["mixed"])
     print(f"\nprecomputed + raw (inline for this request): largest logprob difference {difference:.2e}")
     assert difference <= TOLERANCE
     assert [server.leases.grants for server in encoders[:2]] == grants  # nothing leased for it
@@ -236,7 +236,7 @@ async def test_entry_evicted_before_fetch_fails_that_request_only(consumer, enco
     print(f"\nentry evicted: {status} {body}")
     assert status >= 400 and "error" in body
     got = await complete(session, consumer.url, chat_request(MODEL, evictor))
-    assert largest_difference(got, reference["evictor"]) <= TOLERANCE
+    assert logprob_gap(got, reference["evictor"]) <= TOLERANCE
 
 
 async def test_fetch_past_the_lease_deadline_fails_that_request_only(consumer, encoders, reference, session):
