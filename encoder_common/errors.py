@@ -6,15 +6,33 @@ receiver turns a status it got back into the same error class.
 
 from __future__ import annotations
 
+import enum
+
 import grpc
+
+
+class Failover(enum.Enum):
+    """What a receiver does when an encoder's call fails with an error of a class (its `failover`)."""
+
+    REPLACE = "replace"  # the encoder is broken: bench it, re-place its unfinished items on others
+    BACK_OFF = "back off"  # the encoder is busy, not broken: retry its items after a back-off
+    TERMINAL = "terminal"  # no encoder can do better: fail the whole request at once
 
 
 class EncoderError(Exception):
     """Base of every error the encode path raises on purpose."""
 
+    failover = Failover.REPLACE
+    # The server metrics' `outcome` label of a call failing with it: what an operator alerts on
+    # without listing status codes.
+    outcome = "error"
+
 
 class InvalidItemError(EncoderError, ValueError):
     """An item (or the request carrying it) is malformed: the caller's fault, never retried."""
+
+    failover = Failover.TERMINAL
+    outcome = "invalid"
 
 
 class UnsupportedModalityError(InvalidItemError, NotImplementedError):
@@ -32,9 +50,14 @@ class ItemsOffsetError(InvalidItemError):
 class OverloadedError(EncoderError):
     """The server's queue is full; the call was refused at once."""
 
+    failover = Failover.BACK_OFF
+    outcome = "overloaded"
+
 
 class UnavailableError(EncoderError):
     """The server is not serving (starting, draining or shutting down)."""
+
+    outcome = "overloaded"
 
 
 class NotFoundError(EncoderError):
@@ -42,11 +65,24 @@ class NotFoundError(EncoderError):
 
 
 class UnauthenticatedError(EncoderError):
-    """The call carried no valid credentials."""
+    """The call carried no valid credentials: the caller's configuration, the same on every encoder."""
+
+    failover = Failover.TERMINAL
+    outcome = "invalid"
+
+
+class PermissionDeniedError(EncoderError):
+    """The caller's credentials do not allow the call."""
+
+    failover = Failover.TERMINAL
+    outcome = "invalid"
 
 
 class DeadlineExceededError(EncoderError, TimeoutError):
     """The call's deadline passed before its items were encoded."""
+
+    failover = Failover.TERMINAL
+    outcome = "cancelled"
 
 
 class SharedMemoryUnavailableError(EncoderError):
@@ -69,6 +105,7 @@ STATUS_BY_ERROR: dict[type[EncoderError], grpc.StatusCode] = {
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     SharedMemoryUnavailableError: grpc.StatusCode.FAILED_PRECONDITION,
     TokenCountMismatchError: grpc.StatusCode.INTERNAL,
@@ -81,18 +118,40 @@ _ERROR_BY_STATUS: dict[grpc.StatusCode, type[EncoderError]] = {
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
 
 def status_for(error: BaseException) -> grpc.StatusCode:
     """The status code a server sends for `error`; INTERNAL for anything unexpected."""
-    for cls in type(error).__mro__:
-        if cls in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[cls]
+    return status_for_class(type(error))
+
+
+def status_for_class(cls: type[BaseException]) -> grpc.StatusCode:
+    """The status code of an error class; INTERNAL for anything unexpected."""
+    for base in cls.__mro__:
+        if base in STATUS_BY_ERROR:
+            return STATUS_BY_ERROR[base]
     return grpc.StatusCode.INTERNAL
 
 
-def error_class_for(code: grpc.StatusCode) -> type[EncoderError]:
-    """The error class a receiver raises for a status it got back."""
+# gRPC itself refuses a message over the size limit with RESOURCE_EXHAUSTED and this text; that is
+# the caller's request being too large, not an overloaded server.
+_MESSAGE_TOO_LARGE = "larger than max"
+
+
+def error_class_for(code: grpc.StatusCode, details: str = "") -> type[EncoderError]:
+    """The error class a receiver raises for a status (and its details) it got back."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE in details:
+        return InvalidItemError
     return _ERROR_BY_STATUS.get(code, EncoderError)
+
+
+def outcome_for(code: grpc.StatusCode) -> str:
+    """The `outcome` label of a call that ended with `code`: that of the code's error class."""
+    if code == grpc.StatusCode.OK:
+        return "ok"
+    if code == grpc.StatusCode.CANCELLED:  # the caller went away: no error of the encode path
+        return "cancelled"
+    return error_class_for(code).outcome

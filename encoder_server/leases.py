@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from encoder_common.env_flags import flag
 from encoder_common.errors import InvalidItemError, NotFoundError
 from protos import encoder_pb2 as pb
 
@@ -25,8 +26,10 @@ _REMEMBERED_DROPS = 4096
 
 @dataclass(frozen=True, kw_only=True)
 class LeaseConfig:
-    max_bytes: int = DEFAULT_LEASE_MAX_BYTES  # 0: no leases granted
-    max_ttl_s: float = DEFAULT_LEASE_MAX_TTL_S
+    max_bytes: int = field(
+        default=DEFAULT_LEASE_MAX_BYTES, metadata=flag("bytes of items kept for Fetch at most (0: no leases)")
+    )
+    max_ttl_s: float = field(default=DEFAULT_LEASE_MAX_TTL_S, metadata=flag("longest lease granted, in seconds"))
 
 
 @dataclass(eq=False)

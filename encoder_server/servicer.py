@@ -1,14 +1,13 @@
-"""The EncoderService servicer: protobuf in, preprocessing pool and batcher, framed bytes out."""
+"""The EncoderService servicer: protobuf in, the item pipeline, framed bytes out, each item reported
+to the metrics as it is sent."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import functools
-import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Executor
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -26,23 +25,14 @@ from encoder_common.errors import (
 )
 
 from . import __version__
-from .batcher import Batcher
-from .cache import EmbeddingCache, cache_namespace, content_key
 from .config import ServerConfig
-from .images import decode_image
 from .leases import LeaseStore
-from .metrics import ServerMetrics, recorded
-from .models import ModelSpec, PreparedImage, VisionEncoder
-from .payload import ItemPayload
+from .metrics import ServerMetrics
+from .models import ModelSpec
+from .pipeline import ItemPipeline
 from .shm import ShmCall, ShmSegments
-from .sources import item_bytes
 
 log = logging.getLogger(__name__)
-
-# Items up to this size are read and hashed on the event loop (sha256 of 64 KiB: ~50 us): cheaper
-# than the round trip to a preprocessing thread, which cost ~0.25 ms of CPU per call on a cache hit.
-# (Telling the size copies the bytes out of the message, ~0.1 ms per MiB; ByteSize() costs more.)
-INLINE_READ_BYTES = 64 << 10
 
 
 def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> pb.ModelInfo:
@@ -61,6 +51,7 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
         max_items_per_request=config.max_items_per_request,
         max_request_bytes=config.max_request_bytes,
         server_version=__version__,
+        extra_tokens_per_item=spec.extra_tokens_per_item,
         lease_max_bytes=config.leases.max_bytes,
         lease_max_ttl_ms=int(config.leases.max_ttl_s * 1000),
     )
@@ -146,31 +137,19 @@ def _maps_errors(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIte
 class EncoderServicer(pb_grpc.EncoderServiceServicer):
     def __init__(
         self,
-        encoder: VisionEncoder,
-        batcher: Batcher,
-        preprocess_pool: Executor,
+        pipeline: ItemPipeline,
         config: ServerConfig,
-        random_weights: bool,
-        *,
-        metrics: ServerMetrics | None = None,
+        info: pb.ModelInfo,
+        metrics: ServerMetrics,
         shm: ShmSegments | None = None,
-        cache: EmbeddingCache | None = None,
         leases: LeaseStore | None = None,
     ):
-        self.encoder = encoder
-        self.batcher = batcher
-        self.preprocess_pool = preprocess_pool
+        self.pipeline = pipeline
         self.config = config
+        self.info = info
+        self.metrics = metrics
         self.shm = shm
-        self.cache = cache
         self.leases = leases
-        self.namespace = cache_namespace(encoder.spec)
-        self.info = model_info(encoder.spec, config, random_weights)
-        self.metrics = metrics or ServerMetrics()
-        self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
-
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        return self.info
 
     def parse_Encode(self, raw: bytes) -> pb.EncodeRequest:
         return parse_request(raw)
@@ -178,40 +157,40 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     def parse_Fetch(self, raw: bytes) -> pb.FetchRequest:
         return parse_fetch_request(raw, self.config.max_items_per_request)
 
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        return self.info
+
     @_maps_errors
-    @recorded
     async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
-        check_request(request, self.config)
-        # Refused at once, before any decoding, when the call's items would not fit beside those
-        # queued and those still being read or preprocessed: under overload refusals stay fast.
-        self.batcher.check_room(len(request.items) + self._preprocessing)
-        self._preprocessing += len(request.items)
-        # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
-        # as its bytes are read; the stream still sends them in request order.
-        tasks = [asyncio.ensure_future(self._item_payload(item)) for item in request.items]
-        for task in tasks:
-            task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
-        lease_ms = request.lease.ttl_ms if request.HasField("lease") else None
-        send_payloads = not request.lease.withhold_payload
-        if lease_ms is not None and self.leases is None:
-            raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
-        shm = ShmCall(self.shm, request)
-        try:
-            for item, task in zip(request.items, tasks):
-                payload, cache_hit, key = await task
-                message = payload.header_message(item.index, cache_hit)
-                if lease_ms is not None:
-                    message.header.lease.CopyFrom(self.leases.grant(key, payload, lease_ms))
-                if not send_payloads:
-                    yield message
-                    continue
-                for framed in _item_messages(shm, message, payload):
-                    yield framed
-            shm.hand_over()
-        finally:
-            for task in tasks:
-                task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
-            shm.close()  # takes back the segments of a call cancelled, failed or out of time
+        with self.metrics.record(request.request_id, len(request.items), context) as record:
+            check_request(request, self.config)
+            lease = request.lease if request.HasField("lease") else None
+            if lease is not None and self.leases is None:
+                raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
+            shm = ShmCall(self.shm, request)
+            try:
+                async with contextlib.aclosing(self.pipeline.payloads(request.items)) as payloads:
+                    async for item, payload, cache_hit, key in payloads:
+                        message = payload.header_message(item.index, cache_hit)
+                        if lease is not None:
+                            message.header.lease.CopyFrom(self.leases.grant(key, payload, lease.ttl_ms))
+                        # No chunks follow a payload withheld for its Fetch, or placed in shared memory.
+                        withheld = lease is not None and lease.withhold_payload
+                        placed = withheld or shm.place(message.header, payload.payload_views())
+                        started = time.perf_counter()
+                        yield message
+                        if not placed:
+                            for chunk in payload.chunks():
+                                yield chunk
+                        record.item_sent(
+                            message.header,
+                            response_bytes=message.ByteSize() + (0 if placed else payload.nbytes),
+                            stream_s=time.perf_counter() - started,
+                        )
+                shm.hand_over()
+            finally:
+                shm.close()  # takes back the segments of a call cancelled, failed or out of time
+
 
     @_maps_errors
     async def Fetch(self, request: pb.FetchRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
@@ -222,87 +201,17 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         shm = ShmCall(self.shm, request)
         try:
             for index, payload in enumerate(payloads):
-                for framed in _item_messages(shm, payload.header_message(index, cache_hit=False), payload):
-                    yield framed
+                message = payload.header_message(index, cache_hit=False)
+                placed = shm.place(message.header, payload.payload_views())
+                yield message
+                if not placed:
+                    for chunk in payload.chunks():
+                        yield chunk
             shm.hand_over()
         finally:
             shm.close()
         for key in request.keys:
             self.leases.fetched(key)
-
-    async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool, bytes | None]:
-        """An item's response, whether it came from the cache, and its content key. Errors name the item."""
-        loop = asyncio.get_running_loop()
-        admitted = _Admission(self)
-        try:
-            if item.WhichOneof("source") == "data" and len(item.data) <= INLINE_READ_BYTES:
-                data, key = self._read_item(item)
-            else:
-                data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item)
-            if self.cache is None:
-                return await self._compute(data, admitted), False, key
-            payload, cache_hit = await self.cache.get_or_compute(key, functools.partial(self._compute, data, admitted))
-            return payload, cache_hit, key
-        except InvalidItemError as exc:
-            raise InvalidItemError(f"item {item.index}: {exc}") from None
-        finally:
-            admitted.done()
-
-    def _read_item(self, item: pb.ImageItem) -> tuple[bytes, bytes | None]:
-        """The item's bytes and, with the cache or leases on, its content key; on a preprocessing thread
-        unless small."""
-        data = item_bytes(item, self.config.sources)
-        if self.cache is None and self.leases is None:
-            return data, None
-        # item_bytes has checked a client's content_sha256 against the bytes: no need to hash them again.
-        return data, content_key(self.namespace, item.content_sha256 or hashlib.sha256(data).digest())
-
-    async def _compute(self, data: bytes, admitted: _Admission) -> ItemPayload:
-        """Decode, preprocess, forward (batched with other calls' items) and frame one item."""
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
-        preprocess_ms = (time.perf_counter() - started) * 1000
-        (future,) = self.batcher.submit([prepared])
-        admitted.done()  # it counts in the batcher's queue now
-        encoded = await future
-        return ItemPayload.build(prepared, encoded, preprocess_ms)
-
-    def _prepare(self, data: bytes) -> PreparedImage:
-        """Bytes to pixel values, on a preprocessing thread."""
-        image = decode_image(data, max_pixels=self.config.max_image_pixels, max_aspect_ratio=self.config.max_aspect_ratio)
-        try:
-            return self.encoder.preprocess(image)
-        except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
-            raise InvalidItemError(f"the image processor refused it: {exc}") from None
-
-
-class _Admission:
-    """One admitted item's place in the servicer's count of items not yet queued; given back once."""
-
-    __slots__ = ("servicer", "pending")
-
-    def __init__(self, servicer: EncoderServicer):
-        self.servicer = servicer
-        self.pending = True
-
-    def done(self) -> None:
-        if self.pending:
-            self.pending = False
-            self.servicer._preprocessing -= 1
-
-
-def _item_messages(shm: ShmCall, header: pb.EncodeResponse, payload: ItemPayload) -> Iterator[pb.EncodeResponse | bytes]:
-    """One item's messages: its header, then its chunks unless the payload went into shared memory."""
-    placed = shm.place(header.header, payload.payload_views())  # same host: no chunks follow
-    yield header
-    if not placed:
-        yield from payload.chunks()
-
-
-def _retrieve_exception(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:

@@ -8,11 +8,12 @@ off by default.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from protos import encoder_pb2 as pb
 from encoder_common.data_uri import decode_data_uri
+from encoder_common.env_flags import flag
 from encoder_common.errors import InvalidItemError
 from encoder_common.file_url import read_file_url
 from encoder_common.http_fetch import fetch_http
@@ -20,10 +21,15 @@ from encoder_common.http_fetch import fetch_http
 
 @dataclass(frozen=True, kw_only=True)
 class SourcePolicy:
-    file_root: str | None = None  # directory file:// URLs may read from; None refuses file:// URLs
-    allow_http: bool = False  # fetch http:// and https:// URLs
-    max_fetch_bytes: int = 32 << 20  # largest file or download accepted for one item
-    fetch_timeout_s: float = 10.0  # whole download of one http(s) item
+    file_root: str | None = field(  # None refuses file:// URLs
+        default=None,
+        metadata=flag("directory file:// item URLs may read from (default: file:// refused)", name="--allow-file-root"),
+    )
+    allow_http: bool = field(
+        default=False, metadata=flag("fetch http(s):// item URLs (off: server-side request forgery)")
+    )
+    max_fetch_bytes: int = field(default=32 << 20, metadata=flag("largest file:// or http(s) item accepted"))
+    fetch_timeout_s: float = field(default=10.0, metadata=flag("time limit of one http(s) item download"))
 
 
 def item_bytes(item: pb.ImageItem, policy: SourcePolicy) -> bytes:
@@ -55,3 +61,4 @@ def _url_bytes(url: str, policy: SourcePolicy) -> bytes:
             url, max_bytes=policy.max_fetch_bytes, timeout_s=policy.fetch_timeout_s, user_agent="encoder-server"
         )
     raise InvalidItemError(f"unsupported URL scheme {scheme or '(none)'!r}")
+
