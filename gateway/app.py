@@ -16,7 +16,7 @@ from aiohttp import web
 from receiver import EncoderError, EncoderReceiver
 
 from .config import GatewayConfig
-from .handoff import Handoff, InlineEmbedsHandoff, check_family
+from .handoff import Handoff, check_family, handoff_for
 from .metrics import GatewayMetrics
 from .serving import ChatCompletionsService, GatewayError, engine_unreachable
 
@@ -129,15 +129,21 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-async def _check_encoders(receiver: EncoderReceiver) -> None:
-    """Refuses to start when the encoders serve a family vLLM cannot take embeddings of; an encoder
-    that does not answer yet is not fatal (pods start in any order)."""
+async def _check_encoders(receiver: EncoderReceiver, handoff: str) -> None:
+    """Refuses to start when the encoders serve a family vLLM cannot take embeddings of (or, for the
+    connector hand-off, one with deepstack features); an encoder that does not answer yet is not fatal
+    (pods start in any order)."""
     try:
         info = await receiver.served_model()
     except EncoderError as exc:
         log.warning("encoders not checked at start-up: %s", exc)
         return
     check_family(info.family)
+    if handoff == "connector" and info.num_deepstack_layers:
+        raise ValueError(
+            f"the encoders serve {info.family} with {info.num_deepstack_layers} deepstack layers, which the "
+            "connector hand-off does not carry to vLLM; use --handoff inline"
+        )
     log.info(
         "encoders serve %s (hidden %d, %d deepstack layers)",
         info.family,
@@ -163,10 +169,10 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
             timeout=aiohttp.ClientTimeout(total=config.engine_timeout_s), auto_decompress=False
         )
         try:
-            await _check_encoders(receiver)
+            await _check_encoders(receiver, config.handoff)
             app[SERVICE] = ChatCompletionsService(
                 receiver=receiver,
-                handoff=handoff or InlineEmbedsHandoff(),
+                handoff=handoff or handoff_for(config.handoff, lease_ttl_s=config.lease_ttl_s),
                 engine_url=config.engine_url,
                 session=session,
                 sources=config.sources,

@@ -69,6 +69,19 @@ def build_parser() -> EnvDefaultsParser:
         help="how embeddings come back from encoders",
     )
     p.add_argument(
+        "--handoff",
+        default="inline",
+        choices=["inline", "connector"],
+        help="how embeddings reach vLLM: inline (image_embeds parts in the request) or connector (vLLM runs "
+        "receiver.vllm_connector as ec_consumer and fetches them from the encoders)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=60.0,
+        help="with --handoff connector: seconds encoders keep an item for the engine's fetch",
+    )
+    p.add_argument(
         "--tls-ca-file", default=None, help="PEM CAs to trust for grpcs:// encoders (default: the system's)"
     )
     p.add_argument("--tls-cert-file", default=None, help="PEM client certificate for mTLS to the encoders")
@@ -117,6 +130,8 @@ def config_from_args(args):
         tls=tls,
         auth_token=auth_token,
         transfer=args.transfer,
+        handoff=args.handoff,
+        lease_ttl_s=args.lease_ttl,
     )
 
 

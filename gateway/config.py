@@ -23,3 +23,5 @@ class GatewayConfig:
     tls: ClientTls | None = None  # for grpcs:// encoders
     auth_token: str | None = None  # bearer token sent to the encoders
     transfer: str = "auto"  # "auto", "shm" or "grpc": how embeddings come back from encoders on this host
+    handoff: str = "inline"  # "inline": embeddings in the chat request; "connector": vLLM fetches them
+    lease_ttl_s: float = 60.0  # "connector": how long encoders keep an item for the engine's fetch

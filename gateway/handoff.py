@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from receiver.fetch import item_uuid
 from receiver.result import EncodeResult, ItemResult
+
+from .protocol import has_embedding_parts
 
 # Families whose items the gateway hands to vLLM: the Qwen-VL embedding input, image_embeds with its grid.
 FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
@@ -68,14 +71,66 @@ class Handoff(Protocol):
     tensors out of band and return parts that only name them.
     """
 
+    # Keyword arguments of EncoderReceiver.encode this hand-off needs (a lease, for one).
+    encode_options: Mapping[str, Any]
+
+    def for_request(self, body: Mapping[str, Any]) -> Handoff:
+        """The hand-off to use for this request (itself, or another where this one cannot serve it)."""
+        ...
+
     async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]: ...
 
 
 class InlineEmbedsHandoff:
     """Sends each embedding inside the chat request, as base64(torch.save) in an `image_embeds` part."""
 
+    encode_options: Mapping[str, Any] = {}
+
+    def for_request(self, body: Mapping[str, Any]) -> Handoff:
+        return self
+
     async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
         return await asyncio.to_thread(lambda: [image_embeds_part(item) for item in result.items])
+
+
+def leased_part(item: ItemResult) -> dict[str, Any]:
+    """One leased item as a metadata-only `image_embeds` part: its grid, and its lease key as the `uuid`
+    by which an ec_consumer vLLM's EncoderServiceConnector fetches it from the encoders."""
+    if item.lease is None:
+        raise ValueError(f"item {item.index} was encoded without a lease: nothing names it to the engine")
+    if item.deepstack is not None:
+        raise ValueError(f"item {item.index} has deepstack features, which the connector hand-off does not carry")
+    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": _grid(item)}, "uuid": item_uuid(item.lease.key)}
+
+
+class ConnectorHandoff:
+    """Leaves each embedding on its encoder under a lease (the gateway receives headers only) and names
+    it in the chat request; vLLM's EncoderServiceConnector (receiver/vllm_connector.py) fetches it."""
+
+    def __init__(self, lease_ttl_s: float):
+        self.encode_options: Mapping[str, Any] = {"lease_ms": int(lease_ttl_s * 1000), "withhold_payloads": True}
+        self._inline = InlineEmbedsHandoff()
+
+    def for_request(self, body: Mapping[str, Any]) -> Handoff:
+        """Inline for a request that brings image_embeds parts of its own: vLLM 0.32 refuses one request
+        mixing parts that carry a tensor with metadata-only ones ("All dictionaries in the list of
+        embeddings must have the same keys", `_merge_embeds` in vllm/renderers/chat_utils.py)."""
+        return self._inline if has_embedding_parts(body) else self
+
+    async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
+        return [leased_part(item) for item in result.items]
+
+
+HANDOFFS = ("inline", "connector")
+
+
+def handoff_for(name: str, *, lease_ttl_s: float) -> Handoff:
+    """The hand-off a gateway is configured with by name."""
+    if name == "inline":
+        return InlineEmbedsHandoff()
+    if name == "connector":
+        return ConnectorHandoff(lease_ttl_s)
+    raise ValueError(f"unknown hand-off {name!r}; use one of {HANDOFFS}")
 
 
 def multi_modal_data(result: EncodeResult | Sequence[ItemResult]) -> dict[str, Any]:

@@ -72,17 +72,28 @@ def image_parts(body: Mapping[str, Any], *, pass_non_image: bool = False) -> lis
     return found
 
 
+def has_embedding_parts(body: Mapping[str, Any]) -> bool:
+    """Whether the client sent an `image_embeds` part of its own (checked after `image_parts`)."""
+    return any(
+        isinstance(part, Mapping) and part.get("type") == "image_embeds"
+        for message in body["messages"]
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+
+
 def replace_parts(
     body: Mapping[str, Any], replacements: Mapping[ImagePart, Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """A copy of the request with each listed part replaced; the parts keep a client-given `uuid`."""
+    """A copy of the request with each listed part replaced; the parts keep a client-given `uuid` unless
+    the new part names its item by a `uuid` of its own."""
     rewritten = dict(body)
     messages = list(body["messages"])
     for part, new in replacements.items():
         message = dict(messages[part.message_index])
         content = list(message["content"])
         old = content[part.part_index]
-        content[part.part_index] = {**new, **({"uuid": old["uuid"]} if "uuid" in old else {})}
+        content[part.part_index] = {**({"uuid": old["uuid"]} if "uuid" in old else {}), **new}
         message["content"] = content
         messages[part.message_index] = message
     rewritten["messages"] = messages

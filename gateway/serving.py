@@ -128,6 +128,7 @@ class ChatCompletionsService:
         if not parts:
             return body
         request_id = f"gw-{uuid.uuid4().hex}"
+        handoff = self.handoff.for_request(body)
         started = time.perf_counter()
         try:
             images = await asyncio.gather(
@@ -137,13 +138,14 @@ class ChatCompletionsService:
                 request_id,
                 [{"modality": "image", "data": data} for data in images],
                 timeout=self.encode_timeout_s,
+                **handoff.encode_options,
             )
         except EncoderError as exc:
             error = encode_error(exc, parts, self.retry_after_s)
             self.metrics.encode_failed(error.status)
             raise error from None
         encoded = time.perf_counter()
-        new_parts = await self.handoff.content_parts(request_id, result)
+        new_parts = await handoff.content_parts(request_id, result)
         self.metrics.encoded(len(parts), encoded - started, time.perf_counter() - encoded)
         return replace_parts(body, dict(zip(parts, new_parts)))
 

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,16 +53,22 @@ class VllmServer:
 
 @contextlib.contextmanager
 def launch_vllm(
-    model_dir: str | Path, *, log_path: Path, max_images: int = 5, timeout: float = 900.0
+    model_dir: str | Path,
+    *,
+    log_path: Path,
+    max_images: int = 5,
+    timeout: float = 900.0,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[VllmServer]:
     """`vllm serve` (as python -m vllm.entrypoints.openai.api_server) in float32 with embedding inputs
-    enabled, on 127.0.0.1; returns once /health answers 200; stopped on exit."""
+    enabled, on 127.0.0.1; returns once /health answers 200; stopped on exit. `extra_args` go last
+    (e.g. `--ec-transfer-config ...`)."""
     port = free_port()
     args = [
         str(ENGINES_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
         "--enable-mm-embeds", "--limit-mm-per-prompt", json.dumps({"image": max_images}),
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", "127.0.0.1", "--port", str(port), *extra_args,
     ]  # fmt: skip
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
