@@ -60,6 +60,10 @@ class UnavailableError(EncoderError):
     outcome = "overloaded"
 
 
+class NotFoundError(EncoderError):
+    """A Fetch named a key the server does not hold: never leased there, expired, evicted or fetched."""
+
+
 class UnauthenticatedError(EncoderError):
     """The call carried no valid credentials: the caller's configuration, the same on every encoder."""
 
@@ -100,6 +104,7 @@ STATUS_BY_ERROR: dict[type[EncoderError], grpc.StatusCode] = {
     OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     SharedMemoryUnavailableError: grpc.StatusCode.FAILED_PRECONDITION,
@@ -112,6 +117,7 @@ _ERROR_BY_STATUS: dict[grpc.StatusCode, type[EncoderError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }

@@ -27,6 +27,13 @@ def cache_namespace(spec: ModelSpec) -> bytes:
     return hashlib.sha256(b"\0".join([KEY_VERSION, *(f.encode() for f in fields)])).digest()
 
 
+def content_key(namespace: bytes, content_sha256: bytes) -> bytes:
+    """The key of an image whose bytes hash to `content_sha256`, under a model's `namespace`."""
+    if len(content_sha256) != 32:
+        raise ValueError(f"a sha256 digest has 32 bytes, got {len(content_sha256)}")
+    return hashlib.sha256(namespace + content_sha256).digest()
+
+
 @dataclass(eq=False)
 class _Flight:
     task: asyncio.Task
@@ -64,9 +71,7 @@ class EmbeddingCache:
 
     def key(self, content_sha256: bytes) -> bytes:
         """The cache key of an image whose bytes hash to `content_sha256`."""
-        if len(content_sha256) != 32:
-            raise ValueError(f"a sha256 digest has 32 bytes, got {len(content_sha256)}")
-        return hashlib.sha256(self.namespace + content_sha256).digest()
+        return content_key(self.namespace, content_sha256)
 
     def get(self, key: bytes) -> ItemPayload | None:
         payload = self._entries.get(key)

@@ -12,6 +12,7 @@ from protos import encoder_pb2 as pb
 
 from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
+from .leases import LeaseConfig
 from .sglang.config import SglangConfig
 from .shm import ShmConfig
 from .sources import SourcePolicy
@@ -65,6 +66,7 @@ class ServerConfig:
     )
     auth_protect_health: bool = field(default=False, metadata=flag("require the token on health probes too"))
     cache_bytes: int = field(default=DEFAULT_CACHE_BYTES, metadata=flag("embedding cache size in bytes (0: no cache)"))
+    leases: LeaseConfig = field(default_factory=LeaseConfig, metadata=section(prefix="lease-"))  # items kept for Fetch
     grace_seconds: float = field(default=30.0, metadata=flag("drain time for running calls on SIGTERM"))
     metrics_port: int | None = field(  # Prometheus /metrics over HTTP; None: not served
         default=None,

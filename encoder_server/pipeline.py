@@ -14,7 +14,7 @@ from protos import encoder_pb2 as pb
 from encoder_common.errors import InvalidItemError
 
 from .batcher import Batcher
-from .cache import EmbeddingCache
+from .cache import EmbeddingCache, cache_namespace, content_key
 from .payload import ItemPayload
 from .config import ServerConfig
 from .images import decode_image
@@ -37,16 +37,23 @@ class ItemPipeline:
         preprocess_pool: Executor,
         config: ServerConfig,
         cache: EmbeddingCache | None = None,
+        *,
+        keys: bool = False,
     ):
+        """`keys`: compute each item's content key even with the cache off (leases name items by it)."""
         self.encoder = encoder
         self.batcher = batcher
         self.preprocess_pool = preprocess_pool
         self.config = config
         self.cache = cache
+        self.namespace = cache_namespace(encoder.spec) if keys or cache is not None else None
         self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
 
-    async def payloads(self, items: Sequence[pb.ImageItem]) -> AsyncIterator[tuple[pb.ImageItem, ItemPayload, bool]]:
-        """Each item with its payload and whether that came from the cache, in the items' order.
+    async def payloads(
+        self, items: Sequence[pb.ImageItem]
+    ) -> AsyncIterator[tuple[pb.ImageItem, ItemPayload, bool, bytes | None]]:
+        """Each item with its payload, whether that came from the cache, and its content key (None when
+        neither the cache nor `keys` wants one), in the items' order.
 
         Raises OverloadedError at once, before any decoding, when the items would not fit beside
         those queued and those still being read or preprocessed: under overload refusals stay fast.
@@ -61,8 +68,8 @@ class ItemPipeline:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         try:
             for item, task in zip(items, tasks):
-                payload, cache_hit = await task
-                yield item, payload, cache_hit
+                payload, cache_hit, key = await task
+                yield item, payload, cache_hit, key
         finally:
             for task in tasks:
                 task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
@@ -72,8 +79,8 @@ class ItemPipeline:
         those still being read or preprocessed."""
         self.batcher.check_room(num_items + self._preprocessing)
 
-    async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool]:
-        """An item's response and whether it came from the cache. Errors name the item."""
+    async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool, bytes | None]:
+        """An item's response, whether it came from the cache, and its content key. Errors name the item."""
         loop = asyncio.get_running_loop()
         admitted = _Admission(self)
         try:
@@ -81,21 +88,22 @@ class ItemPipeline:
                 data, key = self._read_item(item)
             else:
                 data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item)
-            if key is None:  # the cache is off
-                return await self._compute(data, admitted), False
-            return await self.cache.get_or_compute(key, functools.partial(self._compute, data, admitted))
+            if self.cache is None:
+                return await self._compute(data, admitted), False, key
+            payload, cache_hit = await self.cache.get_or_compute(key, functools.partial(self._compute, data, admitted))
+            return payload, cache_hit, key
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
         finally:
             admitted.done()
 
     def _read_item(self, item: pb.ImageItem) -> tuple[bytes, bytes | None]:
-        """The item's bytes and, with the cache on, its cache key; on a preprocessing thread unless small."""
+        """The item's bytes and, when wanted, its content key; on a preprocessing thread unless small."""
         data = item_bytes(item, self.config.sources)
-        if self.cache is None:
+        if self.namespace is None:
             return data, None
         # item_bytes has checked a client's content_sha256 against the bytes: no need to hash them again.
-        return data, self.cache.key(item.content_sha256 or hashlib.sha256(data).digest())
+        return data, content_key(self.namespace, item.content_sha256 or hashlib.sha256(data).digest())
 
     async def _compute(self, data: bytes, admitted: _Admission) -> ItemPayload:
         """Decode, preprocess, forward (batched with other calls' items) and frame one item."""

@@ -21,6 +21,7 @@ from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace
 from .config import ServerConfig
 from .interceptors import DrainGate
+from .leases import LeaseStore
 from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
 from .models.loading import has_random_weights
@@ -55,6 +56,7 @@ class EncoderServer:
         self.shm: ShmSegments | None = None
         self.cache: EmbeddingCache | None = None
         self.sglang: sglang_servicer.SglangEncoderServicer | None = None
+        self.leases: LeaseStore | None = None
 
     @property
     def address(self) -> str:
@@ -113,8 +115,12 @@ class EncoderServer:
             self.metrics.watch_cache(self.cache.stats)
         if self.shm is not None:
             self.metrics.watch_shm(self.shm)
-        pipeline = ItemPipeline(self.encoder, self._batcher, self._pool, config, self.cache)
-        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.shm)
+        if config.leases.max_bytes > 0:
+            self.leases = LeaseStore(config.leases)
+        pipeline = ItemPipeline(
+            self.encoder, self._batcher, self._pool, config, self.cache, keys=self.leases is not None
+        )
+        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.shm, self.leases)
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[

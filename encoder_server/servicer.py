@@ -10,16 +10,23 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from encoder_common.errors import EncoderError, InvalidItemError, UnsupportedModalityError, status_for
+from encoder_common.errors import (
+    EncoderError,
+    InvalidItemError,
+    NotFoundError,
+    UnsupportedModalityError,
+    status_for,
+)
 
 from . import __version__
 from .config import ServerConfig
+from .leases import LeaseStore
 from .metrics import ServerMetrics
 from .models import ModelSpec
 from .pipeline import ItemPipeline
@@ -45,26 +52,47 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
         max_request_bytes=config.max_request_bytes,
         server_version=__version__,
         extra_tokens_per_item=spec.extra_tokens_per_item,
+        lease_max_bytes=config.leases.max_bytes,
+        lease_max_ttl_ms=int(config.leases.max_ttl_s * 1000),
     )
 
 
-def parse_request(raw: bytes) -> pb.EncodeRequest:
-    """Parses an Encode request, refusing bytes that are not one and fields this server does not know.
+def _parse_message(raw: bytes, message_class: type[Message]) -> Message:
+    """Parses a request, refusing bytes that are not one and top-level fields this server does not know.
 
     Unknown fields are refused rather than skipped: a newer receiver's field may change what the
     embedding should be, and an embedding silently computed without it would be wrong.
     """
     try:
-        request = pb.EncodeRequest.FromString(raw)
+        request = message_class.FromString(raw)
     except DecodeError:
-        raise InvalidItemError(f"request is not a valid {pb.EncodeRequest.DESCRIPTOR.full_name} message") from None
+        raise InvalidItemError(f"request is not a valid {message_class.DESCRIPTOR.full_name} message") from None
     unknown = [field.field_number for field in UnknownFieldSet(request)]
     if unknown:
         raise InvalidItemError(f"request has fields unknown to this server: numbers {sorted(set(unknown))}")
+    return request
+
+
+def parse_request(raw: bytes) -> pb.EncodeRequest:
+    """Parses an Encode request; unknown fields in it or in its items are refused (see _parse_message)."""
+    request = _parse_message(raw, pb.EncodeRequest)
     for item in request.items:
         unknown = [field.field_number for field in UnknownFieldSet(item)]
         if unknown:
             raise InvalidItemError(f"item {item.index}: fields unknown to this server: numbers {sorted(set(unknown))}")
+    return request
+
+
+def parse_fetch_request(raw: bytes, max_keys: int) -> pb.FetchRequest:
+    """Parses a Fetch request; refuses unknown fields and key lists that are empty, too long or malformed."""
+    request = _parse_message(raw, pb.FetchRequest)
+    if not request.keys:
+        raise InvalidItemError("fetch request has no keys")
+    if len(request.keys) > max_keys:
+        raise InvalidItemError(f"fetch request has {len(request.keys)} keys, over the limit of {max_keys}")
+    bad = [index for index, key in enumerate(request.keys) if len(key) != 32]
+    if bad:
+        raise InvalidItemError(f"keys at positions {bad} are not 32-byte content keys")
     return request
 
 
@@ -88,13 +116,13 @@ def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
 
 
 def _maps_errors(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
-    """Parses the raw request, then turns domain errors into their status code, and anything else
-    into a bare INTERNAL."""
+    """Parses the raw request (with the servicer's `parse_<method name>`), then turns domain errors into
+    their status code, and anything else into a bare INTERNAL."""
 
     @functools.wraps(method)
     async def wrapper(self, request: bytes, context: grpc.aio.ServicerContext):
         try:
-            request = parse_request(request)
+            request = getattr(self, f"parse_{method.__name__}")(request)
             async for message in method(self, request, context):
                 yield message
         except EncoderError as exc:
@@ -114,12 +142,20 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         info: pb.ModelInfo,
         metrics: ServerMetrics,
         shm: ShmSegments | None = None,
+        leases: LeaseStore | None = None,
     ):
         self.pipeline = pipeline
         self.config = config
         self.info = info
         self.metrics = metrics
         self.shm = shm
+        self.leases = leases
+
+    def parse_Encode(self, raw: bytes) -> pb.EncodeRequest:
+        return parse_request(raw)
+
+    def parse_Fetch(self, raw: bytes) -> pb.FetchRequest:
+        return parse_fetch_request(raw, self.config.max_items_per_request)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.info
@@ -128,12 +164,19 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
         with self.metrics.record(request.request_id, len(request.items), context) as record:
             check_request(request, self.config)
+            lease = request.lease if request.HasField("lease") else None
+            if lease is not None and self.leases is None:
+                raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
             shm = ShmCall(self.shm, request)
             try:
                 async with contextlib.aclosing(self.pipeline.payloads(request.items)) as payloads:
-                    async for item, payload, cache_hit in payloads:
+                    async for item, payload, cache_hit, key in payloads:
                         message = payload.header_message(item.index, cache_hit)
-                        placed = shm.place(message.header, payload.payload_views())  # same host: no chunks follow
+                        if lease is not None:
+                            message.header.lease.CopyFrom(self.leases.grant(key, payload, lease.ttl_ms))
+                        # No chunks follow a payload withheld for its Fetch, or placed in shared memory.
+                        withheld = lease is not None and lease.withhold_payload
+                        placed = withheld or shm.place(message.header, payload.payload_views())
                         started = time.perf_counter()
                         yield message
                         if not placed:
@@ -149,6 +192,28 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 shm.close()  # takes back the segments of a call cancelled, failed or out of time
 
 
+    @_maps_errors
+    async def Fetch(self, request: pb.FetchRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
+        """Streams leased items in Encode's format; every key is looked up before the first message."""
+        if self.leases is None:
+            raise NotFoundError("this server grants no leases (--lease-max-bytes is 0): nothing to fetch")
+        payloads = [self.leases.get(key) for key in request.keys]
+        shm = ShmCall(self.shm, request)
+        try:
+            for index, payload in enumerate(payloads):
+                message = payload.header_message(index, cache_hit=False)
+                placed = shm.place(message.header, payload.payload_views())
+                yield message
+                if not placed:
+                    for chunk in payload.chunks():
+                        yield chunk
+            shm.hand_over()
+        finally:
+            shm.close()
+        for key in request.keys:
+            self.leases.fetched(key)
+
+
 def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:
     """The service's handlers, with Encode's responses framed by protos.wire instead of protobuf."""
     service = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
@@ -159,6 +224,11 @@ def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:
             # INVALID_ARGUMENT instead of gRPC's INTERNAL for a failing deserializer.
             "Encode": grpc.unary_stream_rpc_method_handler(
                 servicer.Encode,
+                request_deserializer=None,
+                response_serializer=wire.serialize_response,
+            ),
+            "Fetch": grpc.unary_stream_rpc_method_handler(
+                servicer.Fetch,
                 request_deserializer=None,
                 response_serializer=wire.serialize_response,
             ),

@@ -2,20 +2,13 @@
 http(s):// URLs only where the operator enables them, bounded in size and time.
 
 Fetching URLs on behalf of callers is server-side request forgery waiting to happen, so both are
-off by default, and even where http(s) is enabled, hosts that resolve to loopback, private,
-link-local or otherwise non-public addresses are refused (redirects included) unless allowed.
+off by default, and even where http(s) is enabled, connections to loopback, private, link-local or
+otherwise internal addresses are refused unless allowed.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
-import ipaddress
-import socket
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +17,7 @@ from encoder_common.data_uri import decode_data_uri
 from encoder_common.env_flags import flag
 from encoder_common.errors import InvalidItemError
 from encoder_common.file_url import read_file_url
+from encoder_common.http_fetch import fetch_http
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,95 +61,12 @@ def _url_bytes(url: str, policy: SourcePolicy) -> bytes:
     if scheme in ("http", "https"):
         if not policy.allow_http:
             raise InvalidItemError(f"{scheme}:// URLs are disabled on this server; send the bytes instead")
-        opener = _OPENER if policy.allow_private_hosts else _PUBLIC_OPENER
-        return fetch_http(url, max_bytes=policy.max_fetch_bytes, timeout_s=policy.fetch_timeout_s, opener=opener)
+        return fetch_http(
+            url,
+            max_bytes=policy.max_fetch_bytes,
+            timeout_s=policy.fetch_timeout_s,
+            allow_internal=policy.allow_private_hosts,
+            user_agent="encoder-server",
+        )
     raise InvalidItemError(f"unsupported URL scheme {scheme or '(none)'!r}")
 
-
-def check_public_host(url: str) -> None:
-    """Refuses a URL whose host is, or resolves to, a non-public address (loopback, private,
-    link-local, multicast, reserved, unspecified)."""
-    host = urllib.parse.urlsplit(url).hostname
-    if not host:
-        raise InvalidItemError(f"{_shown(url)} names no host")
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise InvalidItemError(f"fetching {_shown(url)} failed: cannot resolve {host!r} ({exc})") from None
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%", 1)[0])
-        if not address.is_global:
-            raise InvalidItemError(
-                f"{_shown(url)} resolves to the non-public address {address}: refused on this server"
-            )
-
-
-class _PublicRedirectHandler(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to a public host, so a public URL cannot bounce into the local network."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        check_public_host(newurl)
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def _opener(redirects: urllib.request.HTTPRedirectHandler) -> urllib.request.OpenerDirector:
-    """http(s) only: no file:, ftp: or data: handler that a redirect could reach, and no proxy from
-    the environment."""
-    opener = urllib.request.OpenerDirector()
-    for handler in (
-        urllib.request.HTTPHandler(),
-        urllib.request.HTTPSHandler(),
-        redirects,
-        urllib.request.HTTPDefaultErrorHandler(),
-        urllib.request.HTTPErrorProcessor(),
-    ):
-        opener.add_handler(handler)
-    return opener
-
-
-_OPENER = _opener(urllib.request.HTTPRedirectHandler())
-_PUBLIC_OPENER = _opener(_PublicRedirectHandler())
-
-
-def _shown(url: str) -> str:
-    return url if len(url) <= 200 else url[:200] + "..."
-
-
-def fetch_http(
-    url: str, *, max_bytes: int, timeout_s: float, opener: urllib.request.OpenerDirector = _OPENER
-) -> bytes:
-    """Downloads `url`, refusing bodies over `max_bytes` and downloads that take over `timeout_s`.
-
-    With the public-only opener the URL's own host is checked before connecting, and every
-    redirect's host before following it.
-    """
-    shown = _shown(url)
-    deadline = time.monotonic() + timeout_s
-    if opener is _PUBLIC_OPENER:
-        check_public_host(url)
-    try:
-        with opener.open(urllib.request.Request(url, headers={"User-Agent": "encoder-server"}), timeout=timeout_s) as response:
-            length = response.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise InvalidItemError(f"{shown} is {length} bytes, over the limit of {max_bytes}")
-            parts, received = [], 0
-            while received <= max_bytes:
-                if time.monotonic() > deadline:
-                    raise InvalidItemError(f"fetching {shown} took over {timeout_s:g} s")
-                part = response.read(min(1 << 16, max_bytes + 1 - received))
-                if not part:
-                    break
-                parts.append(part)
-                received += len(part)
-            if received > max_bytes:
-                raise InvalidItemError(f"{shown} is over the limit of {max_bytes} bytes")
-            return b"".join(parts)
-    except InvalidItemError:
-        raise
-    except urllib.error.HTTPError as exc:
-        raise InvalidItemError(f"fetching {shown} failed: HTTP {exc.code}") from None
-    except (socket.timeout, TimeoutError):
-        raise InvalidItemError(f"fetching {shown} took over {timeout_s:g} s") from None
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", None) or exc.__class__.__name__
-        raise InvalidItemError(f"fetching {shown} failed: {reason}") from None

@@ -59,14 +59,42 @@ class ImageItem(_message.Message):
     def __init__(self, index: _Optional[int] = ..., modality: _Optional[_Union[Modality, str]] = ..., data: _Optional[bytes] = ..., url: _Optional[str] = ..., content_sha256: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "items", "shm")
+    __slots__ = ("request_id", "items", "shm", "lease")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[ImageItem]
     shm: ShmOffer
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ...) -> None: ...
+    lease: Lease
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("ttl_ms", "withhold_payload")
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WITHHOLD_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ttl_ms: int
+    withhold_payload: bool
+    def __init__(self, ttl_ms: _Optional[int] = ..., withhold_payload: _Optional[bool] = ...) -> None: ...
+
+class LeaseGrant(_message.Message):
+    __slots__ = ("key", "ttl_ms")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    ttl_ms: int
+    def __init__(self, key: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("request_id", "keys", "shm")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    shm: ShmOffer
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ...) -> None: ...
 
 class ShmOffer(_message.Message):
     __slots__ = ("probe",)
@@ -95,7 +123,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class ItemHeader(_message.Message):
-    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing", "shm")
+    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing", "shm", "lease")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +134,7 @@ class ItemHeader(_message.Message):
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     index: int
     num_tokens: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
@@ -116,7 +145,8 @@ class ItemHeader(_message.Message):
     cache_hit: bool
     timing: Timing
     shm: ShmPlacement
-    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ...) -> None: ...
+    lease: LeaseGrant
+    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., lease: _Optional[_Union[LeaseGrant, _Mapping]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -131,7 +161,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("family", "model_type", "hidden_size", "dtype", "patch_size", "spatial_merge_size", "temporal_patch_size", "num_deepstack_layers", "weights_fingerprint", "device", "random_weights", "max_items_per_request", "max_request_bytes", "server_version", "extra_tokens_per_item")
+    __slots__ = ("family", "model_type", "hidden_size", "dtype", "patch_size", "spatial_merge_size", "temporal_patch_size", "num_deepstack_layers", "weights_fingerprint", "device", "random_weights", "max_items_per_request", "max_request_bytes", "server_version", "extra_tokens_per_item", "lease_max_bytes", "lease_max_ttl_ms")
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +177,8 @@ class ModelInfo(_message.Message):
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     EXTRA_TOKENS_PER_ITEM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MAX_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     family: str
     model_type: str
     hidden_size: int
@@ -162,4 +194,6 @@ class ModelInfo(_message.Message):
     max_request_bytes: int
     server_version: str
     extra_tokens_per_item: int
-    def __init__(self, family: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., num_deepstack_layers: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., max_items_per_request: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., extra_tokens_per_item: _Optional[int] = ...) -> None: ...
+    lease_max_bytes: int
+    lease_max_ttl_ms: int
+    def __init__(self, family: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., num_deepstack_layers: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., max_items_per_request: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., extra_tokens_per_item: _Optional[int] = ..., lease_max_bytes: _Optional[int] = ..., lease_max_ttl_ms: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,11 @@ class EncoderServiceStub:
                 request_serializer=protos_dot_encoder__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_encoder__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_stream(
+                '/encoder.v1.EncoderService/Fetch',
+                request_serializer=protos_dot_encoder__pb2.FetchRequest.SerializeToString,
+                response_deserializer=protos_dot_encoder__pb2.EncodeResponse.FromString,
+                _registered_method=True)
 
 
 class EncoderServiceServicer:
@@ -64,6 +69,16 @@ class EncoderServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """Revision 2. Streams items that an Encode call with a lease kept, by their LeaseGrant.key: an
+        ItemHeader (index = the key's position in the request), then the payload in chunks (or in shared
+        memory, as for Encode). A key this server does not hold (never leased here, expired, evicted or
+        already fetched) fails the call with NOT_FOUND naming the key and why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +91,11 @@ def add_EncoderServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_encoder__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_encoder__pb2.ModelInfo.SerializeToString,
+            ),
+            'Fetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=protos_dot_encoder__pb2.FetchRequest.FromString,
+                    response_serializer=protos_dot_encoder__pb2.EncodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +152,33 @@ class EncoderService:
             '/encoder.v1.EncoderService/GetModelInfo',
             protos_dot_encoder__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_encoder__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/encoder.v1.EncoderService/Fetch',
+            protos_dot_encoder__pb2.FetchRequest.SerializeToString,
+            protos_dot_encoder__pb2.EncodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,9 @@ from .buffers import POOL
 from .result import ItemResult
 from .shm import Placement
 
+# Makes the uninitialized tensor an item's payload is received into, from its shape and dtype.
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
 
 class StreamProtocolError(EncoderError):
     """The stream broke the contract: an unexpected item, a short payload, a size that does not add up."""
@@ -24,7 +27,7 @@ class StreamProtocolError(EncoderError):
 class ItemBuffer:
     """One item's payload, filled chunk by chunk in arrival order."""
 
-    def __init__(self, header: pb.ItemHeader):
+    def __init__(self, header: pb.ItemHeader, allocate: Allocator = POOL.empty):
         dtype = wire.TORCH_DTYPES.get(header.dtype)
         if dtype is None:
             raise StreamProtocolError(f"item {header.index}: unknown dtype {header.dtype}")
@@ -37,7 +40,7 @@ class ItemBuffer:
             )
         self.header = header
         self.dtype = dtype
-        self.tensor = POOL.empty((layers, header.num_tokens, header.hidden_size), dtype)
+        self.tensor = allocate((layers, header.num_tokens, header.hidden_size), dtype)
         self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
         self.filled = 0
 
@@ -62,6 +65,15 @@ class ItemBuffer:
         self.filled = end
 
 
+def _shape_only(header: pb.ItemHeader) -> torch.Tensor:
+    """A withheld payload: a tensor on the meta device, with the item's shape and dtype and no data."""
+    dtype = wire.TORCH_DTYPES.get(header.dtype)
+    if dtype is None:
+        raise StreamProtocolError(f"item {header.index}: unknown dtype {header.dtype}")
+    shape = (1 + header.num_deepstack_layers, header.num_tokens, header.hidden_size)
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
 class ShardAssembler:
     """Consumes one Encode stream's messages for a known set of item indices."""
 
@@ -70,11 +82,15 @@ class ShardAssembler:
         expected_indices: Collection[int],
         encoder_url: str,
         read_shm: Callable[[pb.ItemHeader, np.ndarray], Placement] | None = None,
+        allocate: Allocator = POOL.empty,
+        payloads: bool = True,
     ):
         self.expected = set(expected_indices)
         self.encoder_url = encoder_url
         self.items: dict[int, ItemResult] = {}
         self.read_shm = read_shm
+        self.allocate = allocate
+        self.payloads = payloads  # False: headers only (payloads withheld under a lease)
         self.refetch: list[int] = []  # items whose shared-memory segment could not be used
         self._current: ItemBuffer | None = None
         self._started = time.perf_counter()
@@ -92,25 +108,27 @@ class ShardAssembler:
                 )
             if message.index not in self.expected or message.index in self.items or message.index in self.refetch:
                 raise StreamProtocolError(f"unexpected item index {message.index} in the stream")
-            self._current = ItemBuffer(message)
+            if not self.payloads:
+                return self._finish(message, _shape_only(message))
+            self._current = ItemBuffer(message, self.allocate)
             if self.read_shm is not None and self._current.fill_from_shm(self.read_shm) is Placement.REFETCH:
                 self.refetch.append(message.index)
                 self._current = None
         if self._current is not None and self._current.complete:
-            done = self._finish(self._current)
+            done = self._finish(self._current.header, self._current.tensor)
             self._current = None
             return done
         return None
 
-    def _finish(self, buffer: ItemBuffer) -> ItemResult:
-        header = buffer.header
+    def _finish(self, header: pb.ItemHeader, tensor: torch.Tensor) -> ItemResult:
         result = ItemResult(
             index=header.index,
-            embedding=buffer.tensor[0],
+            embedding=tensor[0],
             grid_thw=tuple(header.grid_thw),
             encoder_url=self.encoder_url,
-            deepstack=buffer.tensor[1:] if header.num_deepstack_layers else None,
+            deepstack=tensor[1:] if header.num_deepstack_layers else None,
             cache_hit=header.cache_hit,
+            lease=header.lease if header.HasField("lease") else None,
             queue_ms=header.timing.queue_ms,
             preprocess_ms=header.timing.preprocess_ms,
             forward_ms=header.timing.forward_ms,

@@ -80,6 +80,11 @@ class EncoderEndpoint:
             request_serializer=pb.EncodeRequest.SerializeToString,
             response_deserializer=wire.parse_response,
         )
+        self.fetch = self.channel.unary_stream(
+            f"{_SERVICE}/Fetch",
+            request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=wire.parse_response,
+        )
         self.get_model_info = self.channel.unary_unary(
             f"{_SERVICE}/GetModelInfo",
             request_serializer=pb.GetModelInfoRequest.SerializeToString,

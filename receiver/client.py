@@ -15,10 +15,12 @@ import grpc
 from protos import encoder_pb2 as pb
 from encoder_common.errors import EncoderError, Failover, SharedMemoryUnavailableError, error_class_for
 
-from .assembly import ShardAssembler, StreamProtocolError
+from .assembly import Allocator, ShardAssembler, StreamProtocolError
+from .buffers import POOL
 from .channels import ClientTls, EncoderEndpoint
 from .discovery import DEFAULT_REFRESH_S, EncoderDiscovery, EndpointPool, Resolver, resolve_all
 from .errors import EncodeFailedError, ShardError
+from .fetch import fetch_leased
 from .health import FailoverPolicy, HealthTracker
 from .items import ImageSource, check_items, read_image_bytes
 from .metrics import ReceiverMetrics
@@ -157,6 +159,8 @@ class EncoderReceiver:
         *,
         num_items_assigned: Sequence[int] | None = None,
         timeout: float | None = None,
+        lease_ms: int | None = None,
+        withhold_payloads: bool = False,
     ) -> EncodeResult:
         """Encodes a request's image items; the result holds them in the order given.
 
@@ -173,7 +177,15 @@ class EncoderReceiver:
         InvalidItemError for an unreadable item or a bad precomputed one (before any Encode
         call), and EncodeFailedError (a ShardError listing what happened to each item) when an
         item is refused as invalid, no encoder can serve an item, or the deadline passes.
+
+        With `lease_ms`, each encoder keeps the items it encoded for a later `fetch` (by
+        `ItemResult.lease.key`) for that long at most; precomputed items get no lease. With
+        `withhold_payloads` too, only the headers come back: each embedding is a tensor on the meta
+        device (shape and dtype, no data) and the payloads wait on the encoders for their Fetch.
         """
+        if withhold_payloads and lease_ms is None:
+            raise ValueError("withhold_payloads needs a lease (lease_ms): a withheld payload is only had by Fetch")
+        lease = pb.Lease(ttl_ms=lease_ms, withhold_payload=withhold_payloads) if lease_ms is not None else None
         check_items(items)
         started = time.perf_counter()
         results: dict[int, ItemResult] = {}
@@ -185,7 +197,9 @@ class EncoderReceiver:
             else:
                 sources = await asyncio.to_thread(self._read_sources, items, raw)
             budget = timeout if timeout is not None else self.timeout
-            await self._encode_sources(request_id, sources, num_items_assigned, time.monotonic() + budget, results)
+            await self._encode_sources(
+                request_id, sources, num_items_assigned, time.monotonic() + budget, results, lease
+            )
         finally:
             done = len(results) == len(items)
             self.metrics.request_done(time.perf_counter() - started, list(results.values()) if done else None)
@@ -213,6 +227,7 @@ class EncoderReceiver:
         num_items_assigned: Sequence[int] | None,
         deadline: float,
         results: dict[int, ItemResult],
+        lease: pb.Lease | None = None,
     ) -> None:
         """Places items on encoders, and re-places those of every failed shard, until all are in `results`.
 
@@ -236,7 +251,7 @@ class EncoderReceiver:
                     known = await self._endpoint_pool.endpoints()
                     usable = await self._health.usable(known, placement.benched, deadline)
                     for encoder, indices in placement.plan(usable, len(known), self._rng):
-                        shard = self._run_shard(request_id, encoder, indices, sources, arrived, placement)
+                        shard = self._run_shard(request_id, encoder, indices, sources, arrived, placement, lease=lease)
                         running[asyncio.create_task(shard)] = encoder
                 if not running:
                     return
@@ -283,6 +298,7 @@ class EncoderReceiver:
         arrived: Callable[[ItemResult], None],
         placement: RequestPlacement,
         offer_shm: bool = True,
+        lease: pb.Lease | None = None,
     ) -> ShardError | None:
         """One Encode call for `indices` on one encoder; stores each item as its last byte arrives.
 
@@ -300,14 +316,17 @@ class EncoderReceiver:
                 message=message,
             )
 
-        shm_offer = self._shm.offer(endpoint.url) if self._shm is not None and offer_shm else None
+        withheld = lease is not None and lease.withhold_payload
+        offer = self._shm is not None and offer_shm and not withheld
+        shm_offer = self._shm.offer(endpoint.url) if offer else None
         request = pb.EncodeRequest(
             request_id=request_id,
             items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=sources[i].data) for i in indices],
             shm=shm_offer,
+            lease=lease,
         )
         read_shm = self._shm.reader(request_id) if shm_offer is not None else None
-        assembler = ShardAssembler(indices, endpoint.url, read_shm)
+        assembler = ShardAssembler(indices, endpoint.url, read_shm, payloads=not withheld)
         remaining = placement.time_left()
         if remaining <= 0:
             return shard_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before the call")
@@ -335,7 +354,7 @@ class EncoderReceiver:
             watchdog.cancel()
         if assembler.refetch:  # their segments could not be read: the same items again, over the stream
             error = await self._run_shard(
-                request_id, endpoint, list(assembler.refetch), sources, arrived, placement, offer_shm=False
+                request_id, endpoint, list(assembler.refetch), sources, arrived, placement, offer_shm=False, lease=lease
             )
             if error is not None:
                 return error
@@ -349,6 +368,33 @@ class EncoderReceiver:
                 message="stream ended before these items arrived",
             )
         return None
+
+
+    async def fetch(
+        self,
+        request_id: str,
+        key: bytes,
+        *,
+        prefer_url: str | None = None,
+        allocate: Allocator = POOL.empty,
+        timeout: float | None = None,
+    ) -> ItemResult:
+        """A leased item (see `encode(lease_ms=...)`) by its key, received into a tensor from `allocate`.
+
+        Asks `prefer_url` first (the encoder that encoded it), then the other encoders. Raises
+        receiver.fetch.FetchFailedError, with each encoder's answer, when none streams it.
+        """
+        endpoints = await self._endpoint_pool.endpoints()
+        budget = timeout if timeout is not None else self.timeout
+        return await fetch_leased(
+            endpoints,
+            request_id,
+            key,
+            deadline=time.monotonic() + budget,
+            prefer_url=prefer_url,
+            shm=self._shm,
+            allocate=allocate,
+        )
 
 
 class _StallWatch:

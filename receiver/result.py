@@ -7,18 +7,21 @@ from functools import cached_property
 
 import torch
 
+from protos import encoder_pb2 as pb
+
 from .windows import ItemsOffset, check_items_offset, window_bounds
 
 
 @dataclass
 class ItemResult:
     index: int  # position in the caller's request
-    embedding: torch.Tensor  # [num_tokens, hidden_size]
+    embedding: torch.Tensor  # [num_tokens, hidden_size]; on the meta device (no data) when withheld under a lease
     grid_thw: tuple[int, ...]
     encoder_url: str | None  # None for a precomputed item
     deepstack: torch.Tensor | None = None  # [num_deepstack_layers, num_tokens, hidden_size]
     cache_hit: bool = False
     precomputed: bool = False  # the caller supplied the embedding; no encoder ran
+    lease: pb.LeaseGrant | None = None  # set when encoded with a lease: the key a Fetch names it by
     queue_ms: float = 0.0
     preprocess_ms: float = 0.0
     forward_ms: float = 0.0

@@ -20,13 +20,10 @@ import asyncio
 import json
 import multiprocessing
 import pickle
-import signal
 import statistics
 import sys
-import tempfile
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -38,50 +35,10 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from receiver import EncoderReceiver  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402
-from testkit.launcher import start_process  # noqa: E402
+from testkit.fixed_server import fixed_server  # noqa: E402
 
 HIDDEN = 2048  # bf16 rows of 4 KiB
 MIB = 1 << 20
-
-
-def serve_fixed(num_tokens: int) -> None:
-    """The server process: the real server and servicer, a stand-in tower, --shm-transfer on."""
-    import logging
-
-    from encoder_server.cli import tune_malloc
-    from encoder_server.server import EncoderServer
-    from encoder_server.shm import ShmConfig
-    from testkit.encoders import EncoderDouble
-    from testkit.servers import server_config
-
-    logging.basicConfig(level=logging.WARNING)
-    tune_malloc()  # as the encoder-server CLI does
-
-    async def run() -> None:
-        config = server_config(
-            REPO_ROOT / "no-checkpoint", dtype=torch.bfloat16, shm=ShmConfig(max_bytes=1 << 30)
-        )
-        server = EncoderServer(config, encoder=EncoderDouble(tokens=num_tokens, hidden_size=HIDDEN, dtype=torch.bfloat16))
-        await server.start()
-        stopping = asyncio.Event()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
-        print(f"ready on 127.0.0.1:{server.port}", flush=True)
-        await stopping.wait()  # the launcher's SIGTERM
-        await server.stop(grace=0)  # removes its shared-memory files
-
-    asyncio.run(run())
-
-
-@contextmanager
-def fixed_server(num_tokens: int):
-    """The server process, its log in a temporary directory; SIGTERM at the end lets it clean up."""
-    with tempfile.TemporaryDirectory() as log_dir:
-        argv = [sys.executable, __file__, "--serve-tokens", str(num_tokens)]
-        server = start_process(argv, Path(log_dir) / "server.log")
-        try:
-            yield server.url
-        finally:
-            server.stop(grace_s=10)
 
 
 def zmq_sender(port: int, nbytes: int, count: int) -> None:
@@ -184,7 +141,7 @@ def run_size(size_mib: int, rounds: int) -> dict:
     calls = 6 if size_mib <= 8 else 4
     names = ("memcpy", "zmq", "zmq_view", "grpc", "shm", "grpc_latency", "shm_latency")
     rows: dict[str, list[float]] = {name: [] for name in names}
-    with fixed_server(nbytes // (HIDDEN * 2)) as url:
+    with fixed_server(nbytes // (HIDDEN * 2), HIDDEN) as url:
         for _ in range(rounds):  # interleaved, so that noise on a shared machine hits every contender
             memcpy_before = measure_memcpy(nbytes, 30)
             rows["zmq"].append(measure_zmq(nbytes, calls * items_per_call, clone=True))
@@ -208,18 +165,14 @@ def main() -> int:
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[8, 32], help="item sizes (bf16)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--serve-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_tokens:
-        serve_fixed(args.serve_tokens)
-        return 0
 
     print(f"same-host transfer of bf16 items into the receiver's tensor; medians of {args.rounds} rounds")
     print(
         f"{'item':>6} | GB/s: {'memcpy':>6} {'zmq':>6} {'zmq-view':>8} {'grpc':>6} {'shm':>6}"
         f" | shm/zmq shm/zmq-view shm/memcpy shm/grpc | 1-item ms: {'grpc':>6} {'shm':>6} shm/grpc"
     )
-    with fixed_server(1) as url:  # 4 KiB: what every call costs, whatever carries the bytes
+    with fixed_server(1, HIDDEN) as url:  # 4 KiB: what every call costs, whatever carries the bytes
         floor = asyncio.run(measure_latency(url, 30))
     results = {"floor_latency_s": floor}
     goals_met = True

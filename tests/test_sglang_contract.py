@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
+import socket
 import time
 
 import grpc
@@ -257,17 +259,20 @@ def test_item_strings_as_sglang_takes_them_under_the_source_policy(tmp_path):
     assert read_item(base64.b64encode(jpeg).decode(), SourcePolicy()) == jpeg  # starts with "/9j/"
     assert read_item(str(tmp_path / "a.png"), files) == png
     assert read_item((tmp_path / "a.png").as_uri(), files) == png
-    refusals = [
-        (str(tmp_path / "a.png"), SourcePolicy(), "file:// URLs are disabled"),
-        ("/etc/passwd.png", files, "outside the allowed directories"),
-        ("a.png", files, "neither a URL, a data: URI, an absolute path nor base64"),
-        ("http://127.0.0.1:9/a.png", SourcePolicy(), "http:// URLs are disabled"),
-        ("http://127.0.0.1:9/a.png", SourcePolicy(allow_http=True), "non-public address 127.0.0.1"),
-        ("http://[::1]:9/a.png", SourcePolicy(allow_http=True), "non-public address ::1"),
-    ]
-    for item, policy, message in refusals:
-        with pytest.raises(InvalidItemError, match=message.replace("(", r"\(").replace(".", r"\.")):
-            read_item(item, policy)
+    web = SourcePolicy(allow_http=True)
+    # Listening sockets that never answer: the refusal comes once connected, from the peer's address.
+    with socket.create_server(("127.0.0.1", 0)) as v4, socket.create_server(("::1", 0), family=socket.AF_INET6) as v6:
+        refusals = [
+            (str(tmp_path / "a.png"), SourcePolicy(), "file:// URLs are disabled"),
+            ("/etc/passwd.png", files, "outside the allowed directories"),
+            ("a.png", files, "neither a URL, a data: URI, an absolute path nor base64"),
+            ("http://127.0.0.1:9/a.png", SourcePolicy(), "http:// URLs are disabled"),
+            (f"http://127.0.0.1:{v4.getsockname()[1]}/a.png", web, "it resolves to 127.0.0.1, a loopback"),
+            (f"http://[::1]:{v6.getsockname()[1]}/a.png", web, "it resolves to ::1, a loopback"),
+        ]
+        for item, policy, message in refusals:
+            with pytest.raises(InvalidItemError, match=re.escape(message)):
+                read_item(item, policy)
 
 
 def test_video_and_audio_items_are_refused_as_such():

@@ -233,7 +233,7 @@ class SglangEncoderServicer:
             raise InvalidItemError(f"item {failed}: {exc}") from None
         items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=data) for i, data in enumerate(datas)]
         async with contextlib.aclosing(pipeline.payloads(items)) as payloads:
-            return _join(request, [payload async for _, payload, _ in payloads])
+            return _join(request, [payload async for _, payload, _, _ in payloads])
 
     async def _push(self, endpoint: str, frames: list[bytes], timeout_s: float | None = None) -> None:
         loop = asyncio.get_running_loop()

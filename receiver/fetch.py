@@ -1,0 +1,137 @@
+"""Fetching leased items: an embedding an Encode call with a lease left on an encoder, streamed back by
+its content key (the Fetch RPC) in Encode's format and read by the same assembly code."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from encoder_common.errors import EncoderError, NotFoundError, SharedMemoryUnavailableError, error_class_for
+from protos import encoder_pb2 as pb
+
+from .assembly import Allocator, ShardAssembler, StreamProtocolError
+from .buffers import POOL
+from .channels import EncoderEndpoint
+from .result import ItemResult
+from .shm import ShmReceiver
+
+# How a chat request names a leased item to an inference engine's connector (receiver.vllm_connector):
+# the content part's `uuid`. The key alone, so that the same image has the same uuid whichever encoder
+# holds it (vLLM's prefix cache keys on it too).
+UUID_PREFIX = "enc:"
+
+
+def item_uuid(lease_key: bytes) -> str:
+    """The `uuid` a chat content part carries for an item leased under `lease_key`."""
+    return UUID_PREFIX + lease_key.hex()
+
+
+def lease_key(identifier: str) -> bytes | None:
+    """The lease key an item identifier names, or None when it is not one of ours."""
+    if not identifier.startswith(UUID_PREFIX):
+        return None
+    try:
+        key = bytes.fromhex(identifier[len(UUID_PREFIX) :])
+    except ValueError:
+        return None
+    return key if len(key) == 32 else None
+
+
+class FetchFailedError(EncoderError):
+    """No encoder streamed a leased item: says what each one answered."""
+
+    def __init__(self, key: bytes, answers: Sequence[tuple[str, str]], not_found: bool):
+        self.key = key
+        self.answers = list(answers)
+        self.not_found = not_found  # every encoder that answered said NOT_FOUND
+        story = "; ".join(f"{url}: {answer}" for url, answer in answers) or "no encoder to ask"
+        super().__init__(f"leased item {key.hex()} could not be fetched: {story}")
+
+
+async def fetch_from(
+    endpoint: EncoderEndpoint,
+    request_id: str,
+    keys: Sequence[bytes],
+    *,
+    deadline: float,
+    shm: ShmReceiver | None = None,
+    allocate: Allocator = POOL.empty,
+) -> list[ItemResult]:
+    """One Fetch call: the items of `keys`, in order, each received into a tensor from `allocate`.
+
+    Raises the status's error class (NotFoundError for a key the encoder does not hold), or
+    StreamProtocolError when the stream breaks the contract. Items whose shared-memory segment
+    could not be used are fetched again over the stream.
+    """
+    shm_offer = shm.offer(endpoint.url) if shm is not None else None
+    request = pb.FetchRequest(request_id=request_id, keys=keys, shm=shm_offer)
+    read_shm = shm.reader(request_id) if shm_offer is not None else None
+    assembler = ShardAssembler(range(len(keys)), endpoint.url, read_shm, allocate)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)(
+            "the fetch's deadline passed before the call"
+        )
+    call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
+    try:
+        async for message in call:
+            assembler.feed(message)
+    except grpc.aio.AioRpcError as exc:
+        raise error_class_for(exc.code())(f"{exc.code().name}: {exc.details()}") from None
+    except (StreamProtocolError, SharedMemoryUnavailableError):
+        call.cancel()
+        raise
+    results = dict(assembler.items)
+    if assembler.refetch:
+        again = [keys[i] for i in assembler.refetch]
+        for index, item in zip(
+            assembler.refetch,
+            await fetch_from(endpoint, request_id, again, deadline=deadline, allocate=allocate),
+        ):
+            item.index = index
+            results[index] = item
+    missing = [i for i in range(len(keys)) if i not in results]
+    if missing:
+        raise StreamProtocolError(f"Fetch stream from {endpoint.url} ended before items {missing} arrived")
+    return [results[i] for i in range(len(keys))]
+
+
+async def fetch_leased(
+    endpoints: Sequence[EncoderEndpoint],
+    request_id: str,
+    key: bytes,
+    *,
+    deadline: float,
+    prefer_url: str | None = None,
+    shm: ShmReceiver | None = None,
+    allocate: Allocator = POOL.empty,
+) -> ItemResult:
+    """One leased item from whichever encoder holds it: `prefer_url` first (the one that encoded it),
+    then the others in order. Raises FetchFailedError with every encoder's answer when none has it."""
+    ordered = sorted(endpoints, key=lambda e: e.url != prefer_url)
+    answers: list[tuple[str, str]] = []
+    for endpoint in ordered:
+        try:
+            (item,) = await fetch_from(
+                endpoint, request_id, [key], deadline=deadline, shm=shm, allocate=allocate
+            )
+            return item
+        except EncoderError as exc:
+            answers.append((endpoint.url, str(exc)))
+            if time.monotonic() >= deadline:
+                break
+    not_found = bool(answers) and all(answer.startswith("NOT_FOUND") for _, answer in answers)
+    raise FetchFailedError(key, answers, not_found)
+
+
+__all__ = [
+    "FetchFailedError",
+    "NotFoundError",
+    "UUID_PREFIX",
+    "fetch_from",
+    "fetch_leased",
+    "item_uuid",
+    "lease_key",
+]
