@@ -1,4 +1,5 @@
-"""Reassembly: writes an Encode stream's chunks straight into each item's preallocated tensor."""
+"""Reassembly: writes an Encode stream's chunks straight into each item's preallocated tensor, or
+takes the item's tensor over its shared-memory segment as it is."""
 
 from __future__ import annotations
 
@@ -21,10 +22,26 @@ class StreamProtocolError(EncoderError):
     """The stream broke the contract: an unexpected item, a short payload, a size that does not add up."""
 
 
-class ItemBuffer:
-    """One item's payload, filled chunk by chunk in arrival order."""
+ShmReader = Callable[[pb.ItemHeader], tuple[Placement, torch.Tensor | None]]
 
-    def __init__(self, header: pb.ItemHeader):
+
+class ItemBuffer:
+    """One item's payload: filled chunk by chunk in arrival order, or given whole (a shared-memory view)."""
+
+    def __init__(self, header: pb.ItemHeader, payload: torch.Tensor | None = None):
+        self.header = header
+        self.dtype, shape = self.layout(header)
+        if payload is None:
+            self.tensor = POOL.empty(shape, self.dtype)
+            self.filled = 0
+        else:
+            self.tensor = payload.view(self.dtype).reshape(shape)
+            self.filled = header.payload_bytes
+        self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
+
+    @staticmethod
+    def layout(header: pb.ItemHeader) -> tuple[torch.dtype, tuple[int, int, int]]:
+        """The item's dtype and [layers, num_tokens, hidden_size]; refuses a header that does not add up."""
         dtype = wire.TORCH_DTYPES.get(header.dtype)
         if dtype is None:
             raise StreamProtocolError(f"item {header.index}: unknown dtype {header.dtype}")
@@ -35,22 +52,11 @@ class ItemBuffer:
                 f"item {header.index}: header announces {header.payload_bytes} payload bytes for "
                 f"{layers} x {header.num_tokens} x {header.hidden_size} {dtype}"
             )
-        self.header = header
-        self.dtype = dtype
-        self.tensor = POOL.empty((layers, header.num_tokens, header.hidden_size), dtype)
-        self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
-        self.filled = 0
+        return dtype, (layers, header.num_tokens, header.hidden_size)
 
     @property
     def complete(self) -> bool:
         return self.filled == len(self._bytes)
-
-    def fill_from_shm(self, take: Callable[[pb.ItemHeader, np.ndarray], Placement]) -> Placement:
-        """Lets `take` read the whole payload from shared memory straight into the tensor."""
-        placement = take(self.header, self._bytes)
-        if placement is Placement.FILLED:
-            self.filled = len(self._bytes)
-        return placement
 
     def write(self, chunk: memoryview) -> None:
         end = self.filled + len(chunk)
@@ -69,7 +75,7 @@ class ShardAssembler:
         self,
         expected_indices: Collection[int],
         encoder_url: str,
-        read_shm: Callable[[pb.ItemHeader, np.ndarray], Placement] | None = None,
+        read_shm: ShmReader | None = None,
     ):
         self.expected = set(expected_indices)
         self.encoder_url = encoder_url
@@ -92,10 +98,14 @@ class ShardAssembler:
                 )
             if message.index not in self.expected or message.index in self.items or message.index in self.refetch:
                 raise StreamProtocolError(f"unexpected item index {message.index} in the stream")
-            self._current = ItemBuffer(message)
-            if self.read_shm is not None and self._current.fill_from_shm(self.read_shm) is Placement.REFETCH:
-                self.refetch.append(message.index)
-                self._current = None
+            ItemBuffer.layout(message)  # refused before any segment is touched
+            payload = None
+            if self.read_shm is not None:
+                placement, payload = self.read_shm(message)
+                if placement is Placement.REFETCH:
+                    self.refetch.append(message.index)
+                    return None
+            self._current = ItemBuffer(message, payload)
         if self._current is not None and self._current.complete:
             done = self._finish(self._current)
             self._current = None
