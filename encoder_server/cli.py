@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", default=None, help="file of bearer tokens, one per line: calls must carry one")
     p.add_argument("--auth-protect-health", action="store_true", help="require the token on health probes too")
     p.add_argument("--cache-bytes", type=int, default=1 << 30, help="embedding cache size in bytes (0: no cache)")
+    p.add_argument("--stream-buffer-bytes", type=int, default=1 << 30, help="payload bytes held for streams in progress at most; beyond, calls get RESOURCE_EXHAUSTED")
+    p.add_argument("--stream-stall-timeout-s", type=float, default=30.0, help="cancel a stream whose receiver has not taken its next message for this long")
     p.add_argument("--grace-seconds", type=float, default=30.0, help="drain time for running calls on SIGTERM")
     p.add_argument(
         "--metrics-port", type=port_or_off, default="off", help="HTTP port of Prometheus /metrics ('off': none, 0: any free port)"
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tls_client_ca_file and not args.tls_cert_file:
         raise SystemExit("encoder-server: --tls-client-ca-file needs --tls-cert-file and --tls-key-file")
     from .shm import ShmConfig
+    from .streams import StreamLimits
 
     config = ServerConfig(
         model=args.model,
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         else None,
         auth_token_file=args.auth_token_file,
         auth_protect_health=bool(args.auth_protect_health),
+        streams=StreamLimits(max_bytes=int(args.stream_buffer_bytes), stall_timeout_s=float(args.stream_stall_timeout_s)),
         shm=ShmConfig(max_bytes=int(args.shm_max_bytes), release_timeout_s=float(args.shm_release_timeout_s))
         if args.shm_transfer
         else None,

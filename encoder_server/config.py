@@ -10,6 +10,7 @@ from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
 from .shm import ShmConfig
 from .sources import SourcePolicy
+from .streams import StreamLimits
 from .tls import TlsConfig
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -37,3 +38,4 @@ class ServerConfig:
     auth_token_file: str | None = None  # one token per line; None: no authentication
     auth_protect_health: bool = False  # also require the token on grpc.health.v1 probes
     shm: ShmConfig | None = None  # the same-host shared-memory path (--shm-transfer); None: off
+    streams: StreamLimits = field(default_factory=StreamLimits)  # payload bytes held for streams in progress

@@ -26,6 +26,7 @@ from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
 from .servicer import EncoderServicer, method_handlers
 from .shm import ShmSegments
+from .streams import StreamBudget
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class EncoderServer:
         self._stopping = False
         self.shm: ShmSegments | None = None
         self.cache: EmbeddingCache | None = None
+        self.streams = StreamBudget(config.streams)
 
     @property
     def address(self) -> str:
@@ -101,6 +103,7 @@ class EncoderServer:
         if config.cache_bytes:
             self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec))
             self.metrics.watch_cache(self.cache.stats)
+        self.streams.start()
         servicer = EncoderServicer(
             self.encoder,
             self._batcher,
@@ -110,6 +113,7 @@ class EncoderServer:
             metrics=self.metrics,
             shm=self.shm,
             cache=self.cache,
+            streams=self.streams,
         )
         self._server.add_generic_rpc_handlers([method_handlers(servicer)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -175,6 +179,7 @@ class EncoderServer:
             log.warning("%d calls still running after the %.1f s grace period: cancelling them", self.gate.running, grace)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
+        self.streams.stop()
         if self.shm is not None:
             await self.shm.stop()
         if self._batcher is not None:

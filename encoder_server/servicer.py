@@ -28,6 +28,7 @@ from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
 from .shm import ShmCall, ShmSegments
 from .sources import item_bytes
+from .streams import StreamBudget, StreamCharge
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,14 @@ log = logging.getLogger(__name__)
 # preprocessing thread, which on a loaded host costs more than the hash itself and was half of a
 # cache hit's per-call time. (Telling the size copies the bytes out of the message, ~0.1 ms per MiB.)
 INLINE_READ_BYTES = 1 << 20
+
+
+# Free-text fields are bounded: they end up in logs and errors (a 1 MB request id was once accepted
+# and logged). Request ids are UUID-like; URLs other than data: URIs (which carry the image itself
+# and count against max_request_bytes) are short.
+MAX_REQUEST_ID_CHARS = 256
+MAX_URL_CHARS = 8192
+MAX_PROBE_NAME_CHARS = 256
 
 
 def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> pb.ModelInfo:
@@ -74,7 +83,21 @@ def parse_request(raw: bytes) -> pb.EncodeRequest:
         unknown = [field.field_number for field in UnknownFieldSet(item)]
         if unknown:
             raise InvalidItemError(f"item {item.index}: fields unknown to this server: numbers {sorted(set(unknown))}")
+    check_text_fields(request)
     return request
+
+
+def check_text_fields(request: pb.EncodeRequest) -> None:
+    """Refuses over-long free-text fields, naming the field, before anything logs them."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidItemError(
+            f"request_id is {len(request.request_id)} characters, over the limit of {MAX_REQUEST_ID_CHARS}"
+        )
+    if len(request.shm.probe) > MAX_PROBE_NAME_CHARS:
+        raise InvalidItemError(f"shm.probe is {len(request.shm.probe)} characters, over the limit of {MAX_PROBE_NAME_CHARS}")
+    for item in request.items:
+        if item.WhichOneof("source") == "url" and not item.url.startswith("data:") and len(item.url) > MAX_URL_CHARS:
+            raise InvalidItemError(f"item {item.index}: url is {len(item.url)} characters, over the limit of {MAX_URL_CHARS}")
 
 
 def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
@@ -127,6 +150,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         metrics: ServerMetrics | None = None,
         shm: ShmSegments | None = None,
         cache: EmbeddingCache | None = None,
+        streams: StreamBudget | None = None,
     ):
         self.encoder = encoder
         self.batcher = batcher
@@ -134,6 +158,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.config = config
         self.shm = shm
         self.cache = cache
+        self.streams = streams or StreamBudget(config.streams)
         self.info = model_info(encoder.spec, config, random_weights)
         self.metrics = metrics or ServerMetrics()
         self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
@@ -145,13 +170,15 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     @recorded
     async def Encode(self, request: pb.EncodeRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:
         check_request(request, self.config)
+        await self.streams.admit()
         # Refused at once, before any decoding, when the call's items would not fit beside those
         # queued and those still being read or preprocessed: under overload refusals stay fast.
         self.batcher.check_room(len(request.items) + self._preprocessing)
         self._preprocessing += len(request.items)
+        charge = self.streams.call()
         # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
         # as its bytes are read; the stream still sends them in request order.
-        tasks = [asyncio.ensure_future(self._item_payload(item)) for item in request.items]
+        tasks = [asyncio.ensure_future(self._item_payload(item, charge)) for item in request.items]
         for task in tasks:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         shm = ShmCall(self.shm, request)
@@ -160,18 +187,26 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 payload, cache_hit = await task
                 message = payload.header_message(item.index, cache_hit)
                 placed = shm.place(message.header, payload.payload_views())  # same host: no chunks follow
+                # Each message records when it began waiting for the receiver: the budget's watchdog
+                # cancels a stream stuck longer than the stall timeout.
+                charge.sending_since = time.monotonic()
                 yield message
                 if not placed:
                     for chunk in payload.chunks():
+                        charge.sending_since = time.monotonic()
                         yield chunk
+                charge.sending_since = None
+                charge.release(item.index)
             shm.hand_over()
         finally:
             for task in tasks:
                 task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
             shm.close()  # takes back the segments of a call cancelled, failed or out of time
+            charge.close()
 
-    async def _item_payload(self, item: pb.ImageItem) -> tuple[ItemPayload, bool]:
-        """An item's response and whether it came from the cache. Errors name the item."""
+    async def _item_payload(self, item: pb.ImageItem, charge: StreamCharge) -> tuple[ItemPayload, bool]:
+        """An item's response and whether it came from the cache, charged to the call's stream budget
+        until sent (a computed one from before its forward). Errors name the item."""
         loop = asyncio.get_running_loop()
         admitted = _Admission(self)
         try:
@@ -179,9 +214,13 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 data, key = self._read_item(item)
             else:
                 data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item)
+            compute = functools.partial(self._compute, data, admitted, charge, item.index)
             if key is None:  # the cache is off
-                return await self._compute(data, admitted), False
-            return await self.cache.get_or_compute(key, functools.partial(self._compute, data, admitted))
+                return await compute(), False
+            payload, hit = await self.cache.get_or_compute(key, compute)
+            if hit:  # from the cache, or another call's computation: this stream holds it too
+                await charge.reserve(item.index, payload.nbytes)
+            return payload, hit
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
         finally:
@@ -195,12 +234,20 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         # item_bytes has checked a client's content_sha256 against the bytes: no need to hash them again.
         return data, self.cache.key(item.content_sha256 or hashlib.sha256(data).digest())
 
-    async def _compute(self, data: bytes, admitted: _Admission) -> ItemPayload:
-        """Decode, preprocess, forward (batched with other calls' items) and frame one item."""
+    async def _compute(self, data: bytes, admitted: _Admission, charge: StreamCharge, index: int) -> ItemPayload:
+        """Decode, preprocess, forward (batched with other calls' items) and frame one item.
+
+        The payload is charged to the stream budget before the forward makes it (twice: the output
+        tensors live until their last chunk is framed): a call refused for want of room costs no
+        forward and holds no output.
+        """
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
         preprocess_ms = (time.perf_counter() - started) * 1000
+        spec = self.encoder.spec
+        payload_bytes = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size * spec.dtype.itemsize
+        await charge.reserve(index, 2 * payload_bytes)  # the output, and its chunks as they are framed
         (future,) = self.batcher.submit([prepared])
         admitted.done()  # it counts in the batcher's queue now
         encoded = await future
