@@ -24,10 +24,12 @@ WORKDIR /opt/encoder-service
 # The generated protobuf code is committed in protos/: nothing is generated at build time.
 COPY pyproject.toml ./
 COPY protos ./protos
+COPY encoder_common ./encoder_common
 COPY encoder_server ./encoder_server
 COPY receiver ./receiver
-# The base image's CUDA torch satisfies the torch requirement, so pip keeps it.
-RUN pip install --no-cache-dir . \
+# The server extra: the model stack. The base image's CUDA torch satisfies the torch requirement, so
+# pip keeps it.
+RUN pip install --no-cache-dir "./[server]" \
     && python -c "import torch, protos.encoder_pb2, encoder_server.server, receiver" \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin encoder
 

@@ -41,8 +41,8 @@ class BatchingConfig:
 
 
 @dataclass(frozen=True)
-class EncodedItem:
-    """An item's embedding with the timings of the batch that produced it."""
+class TimedEmbedding:
+    """An image's embedding with the timings of the batch whose forward produced it."""
 
     output: ImageEmbedding
     queue_ms: float
@@ -203,7 +203,7 @@ class Batcher:
         forward_ms = (time.perf_counter() - start) * 1000
         for p, output in zip(batch, outputs):
             queue_ms = (start - p.enqueued) * 1000
-            _resolve(p.future, result=EncodedItem(output, queue_ms, forward_ms, len(batch)))
+            _resolve(p.future, result=TimedEmbedding(output, queue_ms, forward_ms, len(batch)))
 
     def _encode(self, batch: list[_Pending]) -> list[ImageEmbedding]:
         try:

@@ -11,17 +11,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import torch
-
-from protos import encoder_pb2 as pb
-from protos import wire
-
-from .batcher import EncodedItem
 from .metrics import CacheStats
-from .models import ModelSpec, PreparedImage
+from .models import ModelSpec
+from .payload import ItemPayload
 
 KEY_VERSION = b"encoder-cache-v1"
 
@@ -30,65 +25,6 @@ def cache_namespace(spec: ModelSpec) -> bytes:
     """The part of every key that pins the model: its weights, preprocessing and served dtype."""
     fields = (spec.model_type, spec.weights_fingerprint, spec.preprocess_fingerprint, str(spec.dtype))
     return hashlib.sha256(b"\0".join([KEY_VERSION, *(f.encode() for f in fields)])).digest()
-
-
-class ItemPayload:
-    """One item's response, computed once: its header (without the caller's index) and its chunk messages.
-
-    The chunks are framed as the first caller streams them, so each copy overlaps the sending of the
-    chunk before it, and are kept: every later caller, and every cache hit, sends the same bytes objects.
-    Used from one event loop, where several callers may iterate `chunks()` at once.
-    """
-
-    def __init__(self, header: pb.ItemHeader, parts: Sequence[torch.Tensor]):
-        self.header = header
-        self.nbytes = wire.framed_size([part.numel() * part.element_size() for part in parts])
-        self._parts: list[torch.Tensor] | None = list(parts)  # held until every chunk is framed
-        self._framing: Iterator[bytes] | None = wire.frame_parts(self._parts)
-        self._chunks: list[bytes] = []
-
-    def payload_views(self) -> list[memoryview]:
-        """The payload's bytes without copies: the tensors while held, else the kept chunks' data."""
-        if self._parts is not None:
-            return [wire.tensor_bytes(part) for part in self._parts]
-        return [wire.parse_response(chunk) for chunk in self._chunks]
-
-    def chunks(self) -> Iterator[bytes]:
-        index = 0
-        while True:
-            if index == len(self._chunks):
-                chunk = None if self._framing is None else next(self._framing, None)
-                if chunk is None:
-                    self._framing = self._parts = None  # all framed: the tensors can go
-                    return
-                self._chunks.append(chunk)
-            yield self._chunks[index]
-            index += 1
-
-    @classmethod
-    def build(cls, prepared: PreparedImage, encoded: EncodedItem, preprocess_ms: float) -> ItemPayload:
-        output = encoded.output
-        parts = [output.embedding] + ([output.deepstack] if output.deepstack is not None else [])
-        header = pb.ItemHeader(
-            num_tokens=prepared.num_tokens,
-            grid_thw=prepared.grid_thw,
-            hidden_size=output.embedding.shape[1],
-            dtype=wire.WIRE_DTYPES[output.embedding.dtype],
-            num_deepstack_layers=0 if output.deepstack is None else output.deepstack.shape[0],
-            payload_bytes=sum(part.numel() * part.element_size() for part in parts),
-            timing=pb.Timing(queue_ms=encoded.queue_ms, preprocess_ms=preprocess_ms, forward_ms=encoded.forward_ms),
-        )
-        return cls(header, parts)
-
-    def header_message(self, index: int, cache_hit: bool) -> pb.EncodeResponse:
-        """The ItemHeader message for one caller; a hit reports no timing, since no work was done for it."""
-        header = pb.ItemHeader()
-        header.CopyFrom(self.header)
-        header.index = index
-        if cache_hit:
-            header.cache_hit = True
-            header.ClearField("timing")
-        return pb.EncodeResponse(header=header)
 
 
 @dataclass(eq=False)

@@ -16,12 +16,17 @@ from .tls import TlsConfig
 DEFAULT_CACHE_BYTES = 1 << 30
 
 
+def default_device() -> str:
+    """The GPU when there is one, else the CPU; asked when a config is made, never at import."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     model: str
     host: str = "0.0.0.0"
     port: int = 50051
-    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    device: str = field(default_factory=default_device)
     dtype: torch.dtype = torch.bfloat16
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     preprocess_workers: int = 4

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -32,6 +32,7 @@ from encoder_common.errors import EncoderError, InvalidItemError
 from receiver.client import EncoderReceiver
 from receiver.errors import ShardError
 from receiver.precomputed import DEEPSTACK_KEY, PRECOMPUTED_KEY
+from receiver.result import ItemResult
 
 FORMAT = "encoder-precompute/1"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -90,22 +91,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class Encoded(NamedTuple):
-    """One image's outputs, whichever backend made them."""
-
-    embedding: torch.Tensor
-    deepstack: torch.Tensor | None
-    grid_thw: tuple[int, ...]
-
-
-def write_embedding(path: Path, encoded: Encoded, stamp: ModelStamp, source: str) -> None:
+def write_embedding(path: Path, item: ItemResult, stamp: ModelStamp, source: str) -> None:
     """Writes one file atomically: a crash leaves either no file or a complete one."""
-    tensors = {"embedding": encoded.embedding.contiguous()}
-    if encoded.deepstack is not None:
-        tensors["deepstack"] = encoded.deepstack.contiguous()
+    tensors = {"embedding": item.embedding.contiguous()}
+    if item.deepstack is not None:
+        tensors["deepstack"] = item.deepstack.contiguous()
     metadata = {
         "format": FORMAT,
-        "grid_thw": json.dumps(list(encoded.grid_thw)),
+        "grid_thw": json.dumps(list(item.grid_thw)),
         "source": source,
         **stamp.metadata(),
     }
@@ -165,7 +158,7 @@ class ServerBackend:
             )
         return ModelStamp.of_info(served)
 
-    async def encode(self, request_id: str, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
+    async def encode(self, request_id: str, images: Sequence[bytes]) -> list[ItemResult | InvalidItemError]:
         try:
             result = await self.receiver.encode(
                 request_id, [{"modality": "image", "data": d} for d in images]
@@ -179,7 +172,7 @@ class ServerBackend:
             return [
                 out for i, data in enumerate(images) for out in await self.encode(f"{request_id}.{i}", [data])
             ]
-        return [Encoded(item.embedding, item.deepstack, item.grid_thw) for item in result.items]
+        return result.items
 
     async def close(self) -> None:
         await self.receiver.close()
@@ -199,13 +192,13 @@ class InProcessBackend:
             spec.model_type, spec.weights_fingerprint, _dtype_name(spec.dtype), spec.hidden_size
         )
 
-    async def encode(self, request_id: str, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
+    async def encode(self, request_id: str, images: Sequence[bytes]) -> list[ItemResult | InvalidItemError]:
         return await asyncio.to_thread(self._encode, images)
 
-    def _encode(self, images: Sequence[bytes]) -> list[Encoded | InvalidItemError]:
+    def _encode(self, images: Sequence[bytes]) -> list[ItemResult | InvalidItemError]:
         from encoder_server.images import decode_image
 
-        outputs: list[Encoded | InvalidItemError | None] = [None] * len(images)
+        outputs: list[ItemResult | InvalidItemError | None] = [None] * len(images)
         prepared = {}
         for i, data in enumerate(images):
             try:
@@ -214,7 +207,7 @@ class InProcessBackend:
                 outputs[i] = exc
         if prepared:
             for (i, prep), out in zip(prepared.items(), self.encoder.encode(list(prepared.values()))):
-                outputs[i] = Encoded(out.embedding, out.deepstack, prep.grid_thw)
+                outputs[i] = ItemResult(i, out.embedding, prep.grid_thw, encoder_url=None, deepstack=out.deepstack)
         return outputs  # type: ignore[return-value]
 
     async def close(self) -> None:
@@ -351,7 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace) -> Summary:
     files = collect_images(args.paths)
     if args.model:
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        from .config import default_device
+
+        device = args.device or default_device()
         backend: ServerBackend | InProcessBackend = await asyncio.to_thread(
             InProcessBackend, args.model, device, wire.DTYPE_NAMES[args.dtype]
         )

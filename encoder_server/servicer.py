@@ -21,11 +21,12 @@ from encoder_common.errors import EncoderError, InvalidItemError, UnsupportedMod
 
 from . import __version__
 from .batcher import Batcher
-from .cache import EmbeddingCache, ItemPayload
+from .cache import EmbeddingCache
 from .config import ServerConfig
 from .images import decode_image
 from .metrics import ServerMetrics, recorded
 from .models import ModelSpec, PreparedImage, VisionEncoder
+from .payload import ItemPayload
 from .shm import ShmCall, ShmSegments
 from .sources import item_bytes
 from .streams import StreamBudget, StreamCharge

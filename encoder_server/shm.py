@@ -28,18 +28,16 @@ from pathlib import Path
 import numpy as np
 
 from protos import encoder_pb2 as pb
+from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos.shm import (
     HEADER_BYTES,
     SERVER_KIND,
-    SHM_DIR,
     TOKEN_BYTES,
-    create_locked,
     is_probe_name,
     item_proof,
     new_instance,
     random_name,
     segment_header,
-    sweep_stale,
 )
 
 log = logging.getLogger(__name__)
@@ -128,7 +126,7 @@ class ShmSegments:
 
     def __init__(self, config: ShmConfig):
         self.config = config
-        self.directory = config.directory or SHM_DIR
+        self.directory = config.directory or shm_dir()
         self.instance = new_instance(SERVER_KIND)
         self.stats = ShmStats()
         self._segments: list[_Segment] = []

@@ -1,1 +1,2 @@
-"""The encoder service contract: the .proto, its generated code, and the codec both sides share."""
+"""The encoder service contract: the .proto, its generated code, the chunk codec (`wire`) and the
+shared-memory segment contract (`shm`) both sides share."""

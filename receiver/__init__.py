@@ -15,15 +15,15 @@ from encoder_common.errors import (
 )
 
 from .channels import ClientTls
-from .chunking import get_embedding_chunk
 from .client import EncoderReceiver
 from .errors import EncodeFailedError, ItemAttempt, ShardError
 from .health import FailoverPolicy
 from .precomputed import PRECOMPUTED_KEY
-from .prefill import Window, batch_embedding, expand_placeholders
+from .prefill import batch_embedding, expand_placeholders
 from .result import EncodeResult, ItemResult
 from .sharding import Shard, plan_shards
 from .shm import TransferStats
+from .windows import Window, get_embedding_chunk, window_rows
 
 __all__ = [
     "ClientTls",
@@ -50,4 +50,5 @@ __all__ = [
     "expand_placeholders",
     "get_embedding_chunk",
     "plan_shards",
+    "window_rows",
 ]

@@ -93,7 +93,7 @@ class EncoderReceiver:
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self.failover = failover or FailoverPolicy()
         self._rng = random.Random(seed)
-        self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`
+        self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`; "auto" touches no file yet
         self._jitter = random.Random()
         self.metrics = metrics or ReceiverMetrics()
         self.discovery = EncoderDiscovery(self.urls, resolver=resolver, refresh_s=refresh_s, metrics=self.metrics)
@@ -343,13 +343,14 @@ class EncoderReceiver:
                 message=message,
             )
 
-        shm = self._shm if offer_shm else None
+        shm_offer = self._shm.offer(endpoint.url) if self._shm is not None and offer_shm else None
         request = pb.EncodeRequest(
             request_id=request_id,
             items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=sources[i].data) for i in indices],
-            shm=shm.offer() if shm is not None else None,
+            shm=shm_offer,
         )
-        assembler = ShardAssembler(indices, endpoint.url, shm.reader(request_id) if shm is not None else None)
+        read_shm = self._shm.reader(request_id) if shm_offer is not None else None
+        assembler = ShardAssembler(indices, endpoint.url, read_shm)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return shard_error(_DEADLINE, "the request's deadline passed before the call")

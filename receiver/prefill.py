@@ -4,14 +4,13 @@ prefill batch's embedding rows, request after request, onto one device."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import torch
 
 from encoder_common.errors import InvalidItemError, ItemsOffsetError
 
-from .chunking import ItemsOffset
 from .result import EncodeResult
+from .windows import Window
 
 
 def expand_placeholders(
@@ -22,7 +21,7 @@ def expand_placeholders(
     `input_ids` holds exactly one `placeholder_token_id` per item of `result`, in item order.
     Returns the expanded ids (a list, or a 1-D tensor on the same device when given one) and
     `items_offset`, each item's inclusive (start, end) positions in them, ready for
-    `EncodeResult.chunk`. Raises ItemsOffsetError when placeholders and items do not pair up.
+    `EncodeResult.window`. Raises ItemsOffsetError when placeholders and items do not pair up.
     """
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
     positions = [i for i, token in enumerate(ids) if token == placeholder_token_id]
@@ -45,14 +44,6 @@ def expand_placeholders(
     return expanded, items_offset
 
 
-class Window(NamedTuple):
-    """One chunked-prefill step of a request: `extend_prefix_len` tokens cached, `extend_seq_len` more run."""
-
-    extend_prefix_len: int
-    extend_seq_len: int
-    items_offset: ItemsOffset
-
-
 def batch_embedding(
     results: Sequence[EncodeResult | None],
     device: str | torch.device,
@@ -62,7 +53,7 @@ def batch_embedding(
 
     `results[i]` is request i's result (raw, precomputed or mixed items alike), or None for a
     request without images. Without a window a request contributes all its rows; with
-    `windows[i]` only the rows of that step (as `EncodeResult.chunk`). Rows are copied once,
+    `windows[i]` only the rows of that step (as `EncodeResult.window`). Rows are copied once,
     item by item, into one [rows, hidden_size] tensor allocated on `device`. Raises
     InvalidItemError if the items disagree on hidden size or dtype.
     """
@@ -73,7 +64,7 @@ def batch_embedding(
         if result is None:
             continue
         window = windows[i] if windows is not None else None
-        start, end = (0, result.num_tokens) if window is None else result.chunk_range(*window)
+        start, end = (0, result.num_tokens) if window is None else result.window_bounds(*window)
         spans.append((result, start, end))
     items = [(result.request_id, item) for result, _, _ in spans for item in result.items]
     if not items:

@@ -7,7 +7,7 @@ from functools import cached_property
 
 import torch
 
-from .chunking import ItemsOffset, check_items_offset, chunk_bounds
+from .windows import ItemsOffset, check_items_offset, window_bounds
 
 
 @dataclass
@@ -47,14 +47,14 @@ class EncodeResult:
     def num_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items)
 
-    def chunk_range(
+    def window_bounds(
         self, extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset
     ) -> tuple[int, int]:
-        """Bounds of `chunk`'s rows; checks that `items_offset` has one run per item, as long as the item."""
+        """Bounds of `window`'s rows; checks that `items_offset` has one run per item, as long as the item."""
         check_items_offset(items_offset, [item.num_tokens for item in self.items])
-        return chunk_bounds(extend_prefix_len, extend_seq_len, items_offset)
+        return window_bounds(extend_prefix_len, extend_seq_len, items_offset)
 
-    def chunk(
+    def window(
         self, extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset
     ) -> tuple[torch.Tensor, int, int]:
         """The embedding rows of the multimodal tokens inside one chunked-prefill window.
@@ -63,5 +63,8 @@ class EncodeResult:
         positions; the window is [extend_prefix_len, extend_prefix_len + extend_seq_len). Returns
         (rows, start, end) with rows = embedding[start:end].
         """
-        start, end = self.chunk_range(extend_prefix_len, extend_seq_len, items_offset)
+        start, end = self.window_bounds(extend_prefix_len, extend_seq_len, items_offset)
         return self.embedding[start:end], start, end
+
+    # SGLang's name for `window`, which prefill code written against SGLang calls.
+    chunk = window

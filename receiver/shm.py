@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import enum
 import functools
+import ipaddress
 import logging
 import mmap
 import os
 import secrets
+import socket
 import stat
 import time
 import weakref
@@ -21,20 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from protos import encoder_pb2 as pb
 from encoder_common.errors import SharedMemoryUnavailableError
-from protos.shm import (
-    HEADER_BYTES,
-    RECEIVER_KIND,
-    SHM_DIR,
-    TOKEN_BYTES,
-    create_locked,
-    is_segment_name,
-    item_proof,
-    new_instance,
-    segment_header,
-    sweep_stale,
-)
+from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
+from protos import encoder_pb2 as pb
+from protos.shm import HEADER_BYTES, RECEIVER_KIND, TOKEN_BYTES, is_segment_name, item_proof, new_instance, segment_header
+
+from .channels import grpc_target
 
 log = logging.getLogger(__name__)
 
@@ -111,39 +105,57 @@ class ShmReceiver:
     and the reading of segments that servers announce for it."""
 
     def __init__(self, strict: bool, directory: Path | None = None):
+        """Strict (transfer="shm"): the probe is made now, or SharedMemoryUnavailableError. Otherwise
+        nothing touches the directory until the first call to an encoder that could share this host."""
         self.strict = strict
-        self.directory = directory or SHM_DIR
-        sweep_stale(self.directory)  # what dead encoders and receivers left on this host
+        self.directory = directory or shm_dir()
         self.probe = f"{new_instance(RECEIVER_KIND)}.probe"
         self._token = secrets.token_bytes(TOKEN_BYTES)
-        fd = create_locked(self.directory / self.probe, self._token)
         self._mappings: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()  # by (st_dev, st_ino)
         self._dropped_checked = time.monotonic()
-        self._finalizer = weakref.finalize(self, _release, self.directory / self.probe, fd, self._mappings)
+        self._finalizer: weakref.finalize | None = None
+        self._unusable = False  # the probe could not be made: every call goes over gRPC
         self.stats = TransferStats()
+        if strict:
+            self._make_probe()
 
     @classmethod
     def for_transfer(cls, transfer: str) -> ShmReceiver | None:
-        """The fast path for `transfer`: None for "grpc", and for "auto" without a usable /dev/shm."""
+        """The fast path for `transfer`: None for "grpc"."""
         if transfer not in TRANSFERS:
             raise ValueError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
-        if transfer == "grpc":
-            return None
+        return None if transfer == "grpc" else cls(strict=transfer == "shm")
+
+    def _make_probe(self) -> bool:
+        """Sweeps what dead encoders and receivers left, then makes this receiver's probe; once."""
+        if self._finalizer is not None or self._unusable:
+            return not self._unusable
+        sweep_stale(self.directory)
         try:
-            return cls(strict=transfer == "shm")
+            fd = create_locked(self.directory / self.probe, self._token)
         except OSError as exc:
-            if transfer == "shm":
+            if self.strict:
                 raise SharedMemoryUnavailableError(
-                    f"cannot create a shared-memory probe in {SHM_DIR}: {exc}"
+                    f"cannot create a shared-memory probe in {self.directory}: {exc}"
                 ) from None
             log.info("no shared-memory transfer (%s): payloads come over the gRPC stream", exc)
-            return None
+            self._unusable = True
+            return False
+        self._finalizer = weakref.finalize(self, _release, self.directory / self.probe, fd, self._mappings)
+        return True
 
     def close(self) -> None:
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
-    def offer(self) -> pb.ShmOffer:
-        return pb.ShmOffer(probe=self.probe)
+    def offer(self, url: str | None = None) -> pb.ShmOffer | None:
+        """The offer to put in a call to the encoder at `url`; None when the call goes over gRPC alone.
+
+        Outside strict mode no offer goes to an encoder whose address belongs to another machine.
+        """
+        if not self.strict and url is not None and not could_share_host(url):
+            return None
+        return pb.ShmOffer(probe=self.probe) if self._make_probe() else None
 
     def reader(self, request_id: str) -> Callable[[pb.ItemHeader], tuple[Placement, torch.Tensor | None]]:
         """`take` for one call."""
@@ -264,6 +276,25 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except OSError:
         pass  # the server took it back already (timeout, cancelled call, shutdown)
+
+
+@functools.lru_cache(maxsize=1024)
+def could_share_host(url: str) -> bool:
+    """False only for an encoder URL whose host is an IP address of another machine (one no local
+    socket can bind to); a name may well resolve to this host, so it could share it."""
+    host = grpc_target(url).rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    if address.is_loopback:
+        return True
+    with socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError:
+            return False
+    return True
 
 
 def _reason(fallback: pb.ShmFallback) -> str:

@@ -15,15 +15,12 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
-import io
 import json
 import os
 import platform
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,12 +33,14 @@ sys.path.insert(0, str(REPO_ROOT))  # this checkout's packages, not an installed
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from encoder_server.config import DEFAULT_CACHE_BYTES  # noqa: E402
-from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder  # noqa: E402
 from protos import wire  # noqa: E402
+from testkit.checkpoints import write_tower_checkpoint  # noqa: E402
+from testkit.encoders import PIXELS, EncoderDouble  # noqa: E402
+from testkit.images import image_bytes  # noqa: E402
+from testkit.launcher import LaunchedProcess, server_argv, start_process  # noqa: E402
 
 MiB = 1 << 20
 SECTIONS = ("transport", "serving", "batching", "scale_out", "cache", "image_sizes")
@@ -114,68 +113,6 @@ def profile_for(device: str, quick: bool) -> Profile:
     )  # fmt: skip
 
 
-# Models on disk and in memory.
-
-
-def write_tower_checkpoint(out_dir: Path, vision_config: dict, device: str, seed: int = 0) -> Path:
-    """A Qwen2.5-VL checkpoint holding only the vision tower (random weights), in the real on-disk format.
-
-    The encoder server reads only `visual.*` tensors, so the language model is left out: a real-size
-    tower is written in seconds without building a 7B model.
-    """
-    from safetensors.torch import save_file
-    from transformers import Qwen2_5_VLConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from encoder_server.models.loading import RANDOM_WEIGHTS_MARKER
-
-    config = Qwen2_5_VLConfig(vision_config=vision_config)
-    torch.manual_seed(seed)
-    with torch.device(device):  # random init of a real-size tower is much faster on the GPU
-        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
-    tensors = {f"visual.{k}": v.to(torch.bfloat16).cpu().contiguous() for k, v in tower.state_dict().items()}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).save_pretrained(out_dir)
-    (out_dir / RANDOM_WEIGHTS_MARKER).write_text("Random weights, written by scripts/bench.py.\n")
-    return out_dir
-
-
-class PixelTokenEncoder(VisionEncoder):
-    """The transport's model double: one bf16 embedding row per image pixel, read from a fixed random table.
-
-    It has a real model's contract and output sizes (an image of w x h pixels gives w*h rows), and
-    no compute, so what the transport section times is the server, the wire and the receiver.
-    """
-
-    def __init__(self, hidden_size: int, max_tokens: int):
-        self.table = torch.randn(max_tokens, hidden_size).to(torch.bfloat16)
-        self.spec = ModelSpec(
-            family="pixel_token", model_type="pixel_token", hidden_size=hidden_size, dtype=torch.bfloat16,
-            device=torch.device("cpu"), patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-            num_deepstack_layers=0, weights_fingerprint=hashlib.sha256(b"pixel_token").hexdigest(),
-            preprocess_fingerprint="none",
-        )  # fmt: skip
-
-    def preprocess(self, image: Image.Image) -> PreparedImage:
-        width, height = image.size
-        tokens = width * height
-        return PreparedImage(torch.empty(0), (1, 2 * height, 2 * width), tokens, 4 * tokens)
-
-    def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
-        return [ImageEmbedding(self.table[: item.num_tokens]) for item in batch]
-
-
-def image_png(width: int, height: int, seed: int) -> bytes:
-    """A real PNG of random pixels; every seed gives different bytes, so no figure rides on the cache."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, "PNG", compress_level=1)
-    return buf.getvalue()
-
-
 class Seeds:
     """Hands out image seeds no earlier request used."""
 
@@ -202,7 +139,8 @@ def role_pixel_tokens(args) -> None:
     if not args.no_tune_malloc:
         tune_malloc()
     max_tokens = max(args.payload_bytes) // (TRANSPORT_HIDDEN * 2)
-    encoder = PixelTokenEncoder(TRANSPORT_HIDDEN, max_tokens)
+    # One bf16 row per pixel from a fixed table: a real model's output sizes, and no compute.
+    encoder = EncoderDouble(tokens=PIXELS, hidden_size=TRANSPORT_HIDDEN, max_tokens=max_tokens)
     config = ServerConfig(model=args.model_dir, host="127.0.0.1", port=0, device="cpu", dtype=torch.bfloat16,
                           cache_bytes=args.cache_bytes)  # fmt: skip
 
@@ -264,67 +202,35 @@ def role_zmq_push(args) -> None:
 
 
 ROLES = {"pixel-tokens": role_pixel_tokens, "bare-grpc": role_bare_grpc, "zmq-push": role_zmq_push}
-_READY = re.compile(r"ready on \S+:(\d+)")
 _CONTROL = re.compile(r"control on \S+:(\d+)")
 
 
-@dataclasses.dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-    log_path: Path
-    port: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"grpc://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 class Children:
-    """Starts child processes and waits for their ready line; kills them all on exit."""
+    """The benchmark's child processes, started side by side by testkit's launcher; all stopped at the end."""
 
     def __init__(self, log_dir: Path, timeout: float):
         self.log_dir = log_dir
         self.timeout = timeout
-        self.started: list[Child] = []
+        self.started: list[LaunchedProcess] = []
 
-    async def spawn(self, name: str, argv: Sequence[str], threads: int) -> Child:
+    async def spawn(self, name: str, argv: Sequence[str], threads: int) -> LaunchedProcess:
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         log_path = self.log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        with log_path.open("w") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
-        child = Child(name, process, log_path)
+        child = await asyncio.to_thread(start_process, argv, log_path, env=env, timeout=self.timeout)
         self.started.append(child)
-        deadline = time.monotonic() + self.timeout
-        while not (match := _READY.search(child.log())):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start:\n{child.log()[-4000:]}")
-            await asyncio.sleep(0.1)
-        child.port = int(match.group(1))
         return child
 
-    async def encoder_server(self, name: str, model_dir: Path, profile: Profile, *flags: str) -> Child:
-        argv = [sys.executable, "-m", "encoder_server", "--model", str(model_dir), "--host", "127.0.0.1",
-                "--port", "0", "--device", profile.device, "--dtype", profile.dtype,
-                "--preprocess-workers", str(profile.preprocess_workers), *flags]  # fmt: skip
+    async def encoder_server(self, name: str, model_dir: Path, profile: Profile, *flags: str) -> LaunchedProcess:
+        argv = server_argv(model_dir, "--device", profile.device, "--dtype", profile.dtype,
+                           "--preprocess-workers", str(profile.preprocess_workers), *flags)  # fmt: skip
         return await self.spawn(name, argv, profile.torch_threads)
 
-    async def role(self, name: str, role: str, threads: int, *flags: str) -> Child:
+    async def role(self, name: str, role: str, threads: int, *flags: str) -> LaunchedProcess:
         return await self.spawn(name, [sys.executable, __file__, "--role", role, *flags], threads)
 
     def stop(self) -> None:
         for child in self.started:
-            if child.process.poll() is None:
-                child.process.terminate()
-        for child in self.started:
-            try:
-                child.process.wait(10)
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+            child.stop(grace_s=10)
 
 
 # Measuring.
@@ -446,7 +352,7 @@ class Context:
     children: Children
     workdir: Path
     seeds: Seeds = dataclasses.field(default_factory=Seeds)
-    servers: dict[str, Child] = dataclasses.field(default_factory=dict)
+    servers: dict[str, LaunchedProcess] = dataclasses.field(default_factory=dict)
     models: dict[str, Path] = dataclasses.field(default_factory=dict)
 
 
@@ -454,7 +360,7 @@ def transport_image(size: int, seed: int) -> bytes:
     """A PNG whose embedding from the pixel-token model is exactly `size` bytes of bf16."""
     tokens = size // (TRANSPORT_HIDDEN * 2)
     width = 1 << (tokens.bit_length() // 2)
-    return image_png(width, tokens // width, seed)
+    return image_bytes(width, tokens // width, seed, compress_level=1)
 
 
 async def section_transport(ctx: Context) -> dict:
@@ -597,12 +503,12 @@ async def section_serving(ctx: Context) -> dict:
 
     async def server() -> float:
         # Fresh images each round, the same ones on both sides: no run is helped by the cache.
-        images[:] = [image_png(width, height, seed) for seed in ctx.seeds.take(p.serving_images)]
+        images[:] = [image_bytes(width, height, seed, compress_level=1) for seed in ctx.seeds.take(p.serving_images)]
         calls = [encode_call(receiver, f"serving-{i}", [data]) for i, data in enumerate(images)]
         return await closed_loop(p.serving_clients, calls)
 
     async with EncoderReceiver([ctx.servers["tower"].url]) as receiver:
-        warm = [image_png(width, height, seed) for seed in ctx.seeds.take(2)]
+        warm = [image_bytes(width, height, seed, compress_level=1) for seed in ctx.seeds.take(2)]
         await asyncio.to_thread(in_process, warm[:1])
         await encode_call(receiver, "warm", warm[1:])()
         runs = await interleaved(
@@ -631,7 +537,7 @@ async def section_batching(ctx: Context) -> dict:
 
     async def run(mode: str) -> float:
         def client_calls(receiver, client: int):
-            images = [image_png(width, height, seed) for seed in ctx.seeds.take(p.batching_requests)]
+            images = [image_bytes(width, height, seed, compress_level=1) for seed in ctx.seeds.take(p.batching_requests)]
             return [encode_call(receiver, f"batching-{client}-{i}", [d]) for i, d in enumerate(images)]
 
         return await concurrent_clients([client_calls(rx, c) for c, rx in enumerate(receivers[mode])])
@@ -665,7 +571,7 @@ async def section_scale_out(ctx: Context) -> dict:
     async def run(mode: str, requests: int) -> float:
         calls = []
         for r in range(requests):
-            images = [image_png(width, height, seed) for seed in ctx.seeds.take(p.scale_items)]
+            images = [image_bytes(width, height, seed, compress_level=1) for seed in ctx.seeds.take(p.scale_items)]
             calls.append(encode_call(receivers[mode], f"scale-{r}", images))
         cpu, wall = cpu_seconds(pids), time.perf_counter()
         rate = await closed_loop(clients, calls)
@@ -701,7 +607,7 @@ async def section_cache(ctx: Context) -> dict:
     progress = Progress("cache", p.cache_repeats)
     async with EncoderReceiver([ctx.servers["tower"].url]) as receiver:
         for seed in ctx.seeds.take(p.cache_repeats):
-            items = [{"data": image_png(width, height, seed)}]
+            items = [{"data": image_bytes(width, height, seed, compress_level=1)}]
             started = time.perf_counter()
             miss = (await receiver.encode(f"miss-{seed}", items)).items[0]
             miss_ms.append((time.perf_counter() - started) * 1000)
@@ -727,10 +633,10 @@ async def section_image_sizes(ctx: Context) -> dict:
     progress = Progress("image_sizes", len(p.image_sizes))
     async with EncoderReceiver([ctx.servers["tower"].url]) as receiver:
         for width, height in p.image_sizes:
-            warm = [image_png(width, height, seed) for seed in ctx.seeds.take(1)]
+            warm = [image_bytes(width, height, seed, compress_level=1) for seed in ctx.seeds.take(1)]
             await encode_call(receiver, "warm", warm)()
             tokens = (await receiver.encode("tokens", [{"data": warm[0]}])).items[0].num_tokens
-            images = [image_png(width, height, seed) for seed in ctx.seeds.take(p.image_size_images)]
+            images = [image_bytes(width, height, seed, compress_level=1) for seed in ctx.seeds.take(p.image_size_images)]
             calls = [encode_call(receiver, f"size-{i}", [d]) for i, d in enumerate(images)]
             rate = await closed_loop(p.serving_clients, calls)
             itemsize = torch.finfo(getattr(torch, p.dtype)).bits // 8
@@ -759,7 +665,7 @@ async def start_processes(ctx: Context, sections: Sequence[str]) -> None:
     from testkit.default_model import write_default_model
 
     p, children = ctx.profile, ctx.children
-    starts: dict[str, Awaitable[Child]] = {}
+    starts: dict[str, Awaitable[LaunchedProcess]] = {}
     if "transport" in sections:
         sizes = [str(s) for s in p.transport_sizes]
         pixel = ["--payload-bytes", *sizes, "--model-dir", str(ctx.workdir), "--cache-bytes", str(p.transport_cache_bytes)]

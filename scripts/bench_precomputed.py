@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 from testkit.default_model import ensure_default_model
 from protos.wire import DTYPE_NAMES
-from receiver import EncoderReceiver, batch_embedding, get_embedding_chunk
-from testkit.support import image_bytes, running_server
+from receiver import EncoderReceiver, batch_embedding, window_rows
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 
 def median_ms(samples: list[float]) -> float:
@@ -69,9 +70,9 @@ async def bench(args: argparse.Namespace) -> None:
     embedding = reference.embedding
     started = time.perf_counter()
     for step in range(10000):
-        get_embedding_chunk(embedding, step % tokens, 256, offsets)
+        window_rows(embedding, step % tokens, 256, offsets)
     print(
-        f"get_embedding_chunk, {args.items} items: "
+        f"window_rows, {args.items} items: "
         f"{(time.perf_counter() - started) / 10000 * 1e6:.1f} us per window"
     )
 

@@ -20,9 +20,10 @@ import asyncio
 import json
 import multiprocessing
 import pickle
+import signal
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from contextlib import contextmanager
@@ -36,6 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from receiver import EncoderReceiver  # noqa: E402
+from testkit.images import image_bytes  # noqa: E402
+from testkit.launcher import start_process  # noqa: E402
 
 HIDDEN = 2048  # bf16 rows of 4 KiB
 MIB = 1 << 20
@@ -48,7 +51,8 @@ def serve_fixed(num_tokens: int) -> None:
     from encoder_server.cli import tune_malloc
     from encoder_server.server import EncoderServer
     from encoder_server.shm import ShmConfig
-    from testkit.support import FixedSizeEncoder, server_config
+    from testkit.encoders import EncoderDouble
+    from testkit.servers import server_config
 
     logging.basicConfig(level=logging.WARNING)
     tune_malloc()  # as the encoder-server CLI does
@@ -57,38 +61,27 @@ def serve_fixed(num_tokens: int) -> None:
         config = server_config(
             REPO_ROOT / "no-checkpoint", dtype=torch.bfloat16, shm=ShmConfig(max_bytes=1 << 30)
         )
-        server = EncoderServer(config, encoder=FixedSizeEncoder(num_tokens, HIDDEN, torch.bfloat16))
+        server = EncoderServer(config, encoder=EncoderDouble(tokens=num_tokens, hidden_size=HIDDEN, dtype=torch.bfloat16))
         await server.start()
-        print(f"ready {server.port}", flush=True)
-        await asyncio.get_running_loop().run_in_executor(
-            None, sys.stdin.read
-        )  # until the parent closes stdin
-        await server.stop(grace=0)
+        stopping = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
+        print(f"ready on 127.0.0.1:{server.port}", flush=True)
+        await stopping.wait()  # the launcher's SIGTERM
+        await server.stop(grace=0)  # removes its shared-memory files
 
     asyncio.run(run())
 
 
 @contextmanager
 def fixed_server(num_tokens: int):
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--serve-tokens", str(num_tokens)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
-    try:
-        line = process.stdout.readline().split()
-        if not line or line[0] != "ready":
-            raise RuntimeError("bench server did not start")
-        yield f"grpc://127.0.0.1:{line[1]}"
-    finally:
-        process.stdin.close()
+    """The server process, its log in a temporary directory; SIGTERM at the end lets it clean up."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        argv = [sys.executable, __file__, "--serve-tokens", str(num_tokens)]
+        server = start_process(argv, Path(log_dir) / "server.log")
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            yield server.url
+        finally:
+            server.stop(grace_s=10)
 
 
 def zmq_sender(port: int, nbytes: int, count: int) -> None:
@@ -147,19 +140,9 @@ def measure_memcpy(nbytes: int, count: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def image() -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (16, 16), (90, 120, 200)).save(buf, "PNG")
-    return buf.getvalue()
-
-
 async def measure_throughput(url: str, transfer: str, nbytes: int, items_per_call: int, calls: int) -> float:
     """Bytes per second of calls carrying several items each."""
-    items = [{"data": image()}] * items_per_call
+    items = [{"data": image_bytes(16, 16)}] * items_per_call
     async with EncoderReceiver([url], transfer=transfer) as rx:
         for _ in range(2):
             await rx.encode("warmup", items)
@@ -183,7 +166,7 @@ async def measure_latency(url: str, calls: int) -> dict[str, float]:
         for i in range(3 + calls):
             for transfer, rx in (("grpc", grpc_rx), ("shm", shm_rx)):
                 begun = time.perf_counter()
-                await rx.encode(f"one-{i}", [{"data": image()}])
+                await rx.encode(f"one-{i}", [{"data": image_bytes(16, 16)}])
                 if i >= 3:  # after warm-up
                     latencies[transfer].append(time.perf_counter() - begun)
         check_no_fallback(shm_rx)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import sys
 import tempfile
 import time
@@ -14,40 +13,25 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageDraw
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from testkit.default_model import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
+from testkit.images import drawn_image_bytes  # noqa: E402
 from testkit.launcher import launch_server  # noqa: E402
 from testkit.reference import reference_features  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 
 
-def picture(width: int, height: int, hue: int) -> Image.Image:
-    """A simple drawn scene, so the images are real pictures of different sizes."""
-    image = Image.new("RGB", (width, height), (hue, 120, 255 - hue))
-    draw = ImageDraw.Draw(image)
-    draw.ellipse((width * 0.2, height * 0.2, width * 0.7, height * 0.8), fill=(250, 220, 40))
-    draw.rectangle((width * 0.55, height * 0.5, width * 0.95, height * 0.95), fill=(30, 30, 30))
-    return image
-
-
-def encoded(image: Image.Image, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, fmt)
-    return buf.getvalue()
-
-
 def build_items(workdir: Path) -> tuple[list[dict], list[bytes]]:
     """Five images, given the three ways a prefill node may hold them."""
     cat = workdir / "cat.png"
-    cat.write_bytes(encoded(picture(640, 480, 40), "PNG"))
-    wide = encoded(picture(1280, 320, 90), "JPEG")
-    small = encoded(picture(96, 96, 140), "PNG")
-    tall = encoded(picture(300, 900, 190), "JPEG")
-    tiny = encoded(picture(1, 1, 240), "PNG")
+    cat.write_bytes(drawn_image_bytes(640, 480, 40, "PNG"))
+    wide = drawn_image_bytes(1280, 320, 90, "JPEG")
+    small = drawn_image_bytes(96, 96, 140, "PNG")
+    tall = drawn_image_bytes(300, 900, 190, "JPEG")
+    tiny = drawn_image_bytes(1, 1, 240, "PNG")
     items = [
         {"modality": "image", "url": cat.as_uri()},
         {"modality": "image", "url": "data:image/jpeg;base64," + base64.b64encode(wide).decode()},
@@ -76,7 +60,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
         servers = [
-            stack.enter_context(launch_server(model_dir, "--dtype", args.dtype, log_path=workdir / f"server{i}.log"))
+            stack.enter_context(launch_server(model_dir, "--dtype", args.dtype, log_dir=workdir))
             for i in range(2)
         ]
         urls = [s.url for s in servers]

@@ -1,8 +1,10 @@
-"""Tiny full-VLM checkpoints of each served family, built and saved by transformers itself.
+"""The checkpoint writers of the tests, the benchmarks and the demo, built and saved by transformers.
 
-Each builder makes the whole model (language model included) from a small config with seeded
-random weights and writes it with `save_pretrained`, beside the image processor the family's real
-checkpoints use, so loading goes through exactly what a downloaded checkpoint would.
+Tiny full-VLM checkpoints of each served family: each builder makes the whole model (language model
+included) from a small config with seeded random weights and writes it with `save_pretrained`,
+beside the image processor the family's real checkpoints use, so loading goes through exactly what
+a downloaded checkpoint would. `write_tower_checkpoint` writes a real-size Qwen2.5-VL tower alone,
+and `testkit.default_model` the built-in default model, from the same pieces.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _vision_config(out_hidden_size: int, **extra) -> dict:
     )
 
 
-def _qwen_processor(patch_size: int, mean_std: float | None = None):
+def qwen_processor(patch_size: int, mean_std: float | None = None):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     unit = patch_size * 2  # one merged token
@@ -74,7 +76,7 @@ def qwen2_vl(vocab_size: int) -> tuple[torch.nn.Module, object]:
         **_TOKENS,
         **_SPECIAL,
     )
-    return Qwen2VLForConditionalGeneration(config), _qwen_processor(14)
+    return Qwen2VLForConditionalGeneration(config), qwen_processor(14)
 
 
 def qwen2_5_vl(vocab_size: int) -> tuple[torch.nn.Module, object]:
@@ -86,7 +88,7 @@ def qwen2_5_vl(vocab_size: int) -> tuple[torch.nn.Module, object]:
         **_TOKENS,
         **_SPECIAL,
     )
-    return Qwen2_5_VLForConditionalGeneration(config), _qwen_processor(14)
+    return Qwen2_5_VLForConditionalGeneration(config), qwen_processor(14)
 
 
 def qwen3_vl(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, object]:
@@ -111,7 +113,7 @@ def qwen3_vl(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, ob
         **_TOKENS,
     )
     # Qwen3-VL normalizes with mean = std = 0.5 and patch 16.
-    return model_class(config), _qwen_processor(16, mean_std=0.5)
+    return model_class(config), qwen_processor(16, mean_std=0.5)
 
 
 def llava(
@@ -174,6 +176,37 @@ def write_checkpoint(
     model.save_pretrained(out_dir, **kwargs)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+def write_tower_checkpoint(out_dir: Path, vision_config: dict, device: str, seed: int = 0) -> Path:
+    """A Qwen2.5-VL checkpoint holding only the vision tower (random weights), in the real on-disk format.
+
+    The encoder server reads only `visual.*` tensors, so the language model is left out: a real-size
+    tower is written in seconds without building a 7B model.
+    """
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = Qwen2_5_VLConfig(vision_config=vision_config)
+    torch.manual_seed(seed)
+    with torch.device(device):  # random init of a real-size tower is much faster on the GPU
+        tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+    tensors = {f"visual.{k}": v.to(torch.bfloat16).cpu().contiguous() for k, v in tower.state_dict().items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    qwen_processor(14).save_pretrained(out_dir)
+    mark_random_weights(out_dir, seed)
+    return out_dir
+
+
+def mark_random_weights(out_dir: Path, seed: int) -> None:
+    """The marker file that makes the server log and report a checkpoint's weights as random."""
+    from encoder_server.models.loading import RANDOM_WEIGHTS_MARKER
+
+    (out_dir / RANDOM_WEIGHTS_MARKER).write_text(
+        f"This checkpoint has deterministic random weights (seed {seed}): its embeddings have no meaning.\n"
+    )
 
 
 def tensor_names(model_dir: Path) -> list[str]:

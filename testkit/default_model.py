@@ -13,15 +13,17 @@ from pathlib import Path
 import torch
 
 from encoder_server.models.loading import RANDOM_WEIGHTS_MARKER
+from testkit.checkpoints import mark_random_weights, qwen_processor
 
 DEFAULT_MODEL_DIR = Path("models/default-qwen2_5_vl")
 SEED = 0
+# Special token ids of the tiny vocabulary, shared by the language model's config and the VLM's.
+SPECIAL_TOKENS = dict(bos_token_id=1004, eos_token_id=1005, pad_token_id=1006)
 
 
 def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size: int = 2048) -> Path:
     """Builds the full tiny VLM (language model included), saves it in bf16, returns the directory."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     out_dir = Path(out_dir)
     config = Qwen2_5_VLConfig(
@@ -41,27 +43,20 @@ def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size:
             num_attention_heads=16,
             num_key_value_heads=2,
             vocab_size=1024,
-            bos_token_id=1004,
-            eos_token_id=1005,
-            pad_token_id=1006,
+            **SPECIAL_TOKENS,
             rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24], "rope_theta": 1e6},
         ),
         image_token_id=1000,
         video_token_id=1001,
         vision_start_token_id=1002,
         vision_end_token_id=1003,
-        bos_token_id=1004,
-        eos_token_id=1005,
-        pad_token_id=1006,
+        **SPECIAL_TOKENS,
     )
     torch.manual_seed(SEED)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.bfloat16).eval()
     model.save_pretrained(out_dir)
-    # The real Qwen2-VL checkpoints' limits: 4 to 16384 tokens per image.
-    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056).save_pretrained(out_dir)
-    (out_dir / RANDOM_WEIGHTS_MARKER).write_text(
-        "This checkpoint has deterministic random weights (seed 0): its embeddings have no meaning.\n"
-    )
+    qwen_processor(14).save_pretrained(out_dir)  # the real Qwen2-VL checkpoints' limits: 4 to 16384 tokens
+    mark_random_weights(out_dir, SEED)
     return out_dir
 
 

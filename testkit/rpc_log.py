@@ -11,7 +11,7 @@ import grpc
 
 from encoder_server.server import EncoderServer
 from protos import encoder_pb2 as pb
-from testkit.support import running_server
+from testkit.servers import running_server
 
 
 class RpcLog(grpc.aio.ServerInterceptor):

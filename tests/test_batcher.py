@@ -17,8 +17,9 @@ from protos import encoder_pb2 as pb
 from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
 from receiver import EncoderReceiver, ShardError
 from receiver.channels import EncoderEndpoint
-from testkit.gated_encoder import GatedEncoder
-from testkit.support import image_bytes, running_server
+from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def real_encoder(default_model_dir):
 
 @pytest.fixture
 def encoder(real_encoder):
-    gated = GatedEncoder(real_encoder)
+    gated = EncoderDouble(real_encoder)
     yield gated
     gated.release()
 
@@ -64,7 +65,7 @@ async def eventually(predicate, what: str, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def occupy_worker(batcher: Batcher, encoder: GatedEncoder, item) -> asyncio.Future:
+async def occupy_worker(batcher: Batcher, encoder: EncoderDouble, item) -> asyncio.Future:
     """Sends one item and waits until the worker is stuck in its forward, so later items queue up."""
     encoder.hold()
     (future,) = batcher.submit([item])
@@ -200,7 +201,7 @@ async def drain(call) -> list:
 @pytest.fixture(params=["cache-on", "cache-off"])
 async def held_server(request, default_model_dir, real_encoder):
     """A server whose forwards wait at a gate, with a 2-item queue; yields (server, encoder, endpoint)."""
-    encoder = GatedEncoder(real_encoder)
+    encoder = EncoderDouble(real_encoder)
     cache_bytes = 1 << 26 if request.param == "cache-on" else 0
     async with running_server(
         default_model_dir, encoder=encoder, batching=BatchingConfig(max_queue_items=2), cache_bytes=cache_bytes
@@ -214,7 +215,7 @@ async def held_server(request, default_model_dir, real_encoder):
             await endpoint.close()
 
 
-async def start_blocking_call(server, encoder: GatedEncoder, endpoint: EncoderEndpoint) -> asyncio.Task:
+async def start_blocking_call(server, encoder: EncoderDouble, endpoint: EncoderEndpoint) -> asyncio.Task:
     encoder.hold()
     task = asyncio.create_task(drain(endpoint.encode(request_for(image_bytes(28, 28, seed=900), "blocker"))))
     assert await asyncio.to_thread(encoder.in_forward.wait, 10), "the first call never reached the forward"

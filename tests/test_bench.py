@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 SECTIONS = ("transport", "serving", "batching", "scale_out", "cache", "image_sizes")
 

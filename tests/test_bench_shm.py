@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 
 def test_bench_shm_short_run_writes_every_figure(tmp_path):

@@ -10,16 +10,18 @@ import grpc
 import pytest
 import torch
 
-from encoder_server.cache import EmbeddingCache, ItemPayload, cache_namespace
+from encoder_server.cache import EmbeddingCache, cache_namespace
+from encoder_server.payload import ItemPayload
 from encoder_server.cli import build_parser
 from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
 from protos import wire
 from receiver import EncoderReceiver
 from receiver.channels import EncoderEndpoint
-from testkit.gated_encoder import GatedEncoder
+from testkit.encoders import EncoderDouble
 from tests.test_batcher import eventually
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 NAMESPACE = hashlib.sha256(b"test-model").digest()
 
@@ -169,7 +171,7 @@ def test_cache_size_flag_and_its_environment_variable(monkeypatch):
 
 @pytest.fixture(scope="module")
 def encoder(default_model_dir):
-    return GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    return EncoderDouble(load_vision_encoder(default_model_dir, "cpu", torch.float32))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from encoder_server import cli
 from receiver import cli as client_cli
 from encoder_server import precompute
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 # command -> (module, parser builder, env prefix, arguments a valid command line needs)
 COMMANDS = {

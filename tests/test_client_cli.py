@@ -10,7 +10,8 @@ from safetensors import safe_open
 
 from receiver import cli as client_cli
 from receiver import EncoderReceiver
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import yaml
 
 from encoder_server import cli
 from encoder_server.server import SERVICE_NAME
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 MANIFEST = REPO_ROOT / "deploy" / "encoder.yaml"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -221,7 +221,16 @@ def test_build_context_installs_the_project_with_generated_code_and_commands(tmp
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
-    for module in ("protos/encoder_pb2.py", "protos/encoder_pb2_grpc.py", "encoder_server/cli.py", "receiver/discovery.py"):
+        metadata = next(archive.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
+    # A prefill node's `pip install encoder-service` brings no model stack: it is the server extra.
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    for package in ("transformers", "pillow"):
+        (line,) = [line for line in requires if line.split()[1].startswith(package)]
+        assert "extra == \"server\"" in line, line
+    for module in (
+        "protos/encoder_pb2.py", "protos/encoder_pb2_grpc.py", "encoder_common/errors.py", "encoder_server/cli.py",
+        "receiver/discovery.py",
+    ):
         assert module in names
     assert "encoder-server = encoder_server.cli:main" in entry_points
     assert "encoder-client = receiver.cli:main" in entry_points

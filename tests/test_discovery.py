@@ -13,7 +13,8 @@ import torch
 from encoder_common.errors import UnavailableError
 from receiver import EncoderReceiver
 from receiver.discovery import DEFAULT_PORT, DnsName, EncoderDiscovery, address_url, parse_encoder_url, resolve_all
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 NAME = "encoder-headless.llm.svc.cluster.local"
 URL = f"dns:///{NAME}:50051"

@@ -12,7 +12,9 @@ import torch
 from protos import encoder_pb2 as pb
 from protos.wire import CHUNK_BYTES
 from receiver import EncoderReceiver, ShardError, UnsupportedModalityError
-from testkit.support import image_bytes, reference_features, running_server
+from testkit.images import image_bytes
+from testkit.reference import reference_features
+from testkit.servers import running_server
 
 # (width, height): from 1x1 to one whose fp32 embedding is over 4 MiB (1400x1100 -> 1950 tokens x 2048 x 4 B).
 SIZES = [(1, 1), (28, 28), (640, 480), (100, 300), (1400, 1100)]

@@ -4,15 +4,12 @@ and the server's life cycle (health, dead forward worker, expired deadlines) in-
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,25 +17,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from encoder_server.models import VisionEncoder, load_vision_encoder
+from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
 from receiver import EncodeFailedError, EncoderReceiver, FailoverPolicy
-from testkit.support import LaunchedServer, image_bytes, reference_features, running_server, server_process
+from testkit.images import image_bytes
+from testkit.encoders import EncoderDouble
+from testkit.launcher import LaunchedProcess, launch_servers
+from testkit.reference import reference_features
+from testkit.servers import running_server
 
 SERVICE = "encoder.v1.EncoderService"
-
-
-@contextlib.contextmanager
-def processes(model_dir: Path, count: int, *flags: str, log_dir: Path) -> Iterator[list[LaunchedServer]]:
-    """`count` encoder processes, started side by side (each takes seconds to load)."""
-    managers = [server_process(model_dir, "--dtype", "float32", *flags, log_dir=log_dir) for _ in range(count)]
-    with contextlib.ExitStack() as stack:
-        with ThreadPoolExecutor(count) as pool:
-            entered = [pool.submit(m.__enter__) for m in managers]
-        for manager, future in zip(managers, entered):
-            if future.exception() is None:
-                stack.push(manager.__exit__)
-        yield [future.result() for future in entered]
 
 
 class FaultAfter:
@@ -97,7 +85,7 @@ def trio(default_model_dir, tmp_path_factory):
     # One image per forward and no embedding cache, so a victim's later items are not produced yet
     # when the fault lands (the baseline runs would otherwise leave them cached, ready to stream).
     flags = ("--max-batch-images", "1", "--cache-bytes", "0")
-    with processes(default_model_dir, 3, *flags, log_dir=tmp_path_factory.mktemp("trio")) as procs:
+    with launch_servers(default_model_dir, 3, "--dtype", "float32", *flags, log_dir=tmp_path_factory.mktemp("trio")) as procs:
         yield procs
 
 
@@ -110,7 +98,7 @@ async def timed_baseline(rx: EncoderReceiver, items: list[dict]) -> float:
     return time.perf_counter() - started
 
 
-def healthy(proc: LaunchedServer) -> bool:
+def healthy(proc: LaunchedProcess) -> bool:
     return proc.process.poll() is None
 
 
@@ -182,7 +170,7 @@ def small_reference(default_model_dir):
 @pytest.fixture(scope="module")
 def duo(default_model_dir, tmp_path_factory):
     flags = ("--max-queue-items", "8", "--preprocess-workers", "2", "--grace-seconds", "20")
-    with processes(default_model_dir, 2, *flags, log_dir=tmp_path_factory.mktemp("duo")) as procs:
+    with launch_servers(default_model_dir, 2, "--dtype", "float32", *flags, log_dir=tmp_path_factory.mktemp("duo")) as procs:
         yield procs
 
 
@@ -291,30 +279,6 @@ class WorkerKilled(BaseException):
     """Stands in for what ends a thread outright rather than failing one batch."""
 
 
-class ControlledEncoder(VisionEncoder):
-    """The real tower, with switches: hold forwards at a gate, fail them, or kill the forward worker."""
-
-    def __init__(self, inner: VisionEncoder):
-        self.inner = inner
-        self.spec = inner.spec
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-        self.images_forwarded = 0
-        self.fail_with: BaseException | None = None
-
-    def preprocess(self, image):
-        return self.inner.preprocess(image)
-
-    def encode(self, batch):
-        self.entered.set()
-        if self.fail_with is not None:
-            raise self.fail_with
-        assert self.gate.wait(30)
-        self.images_forwarded += len(batch)
-        return self.inner.encode(batch)
-
-
 @pytest.fixture(scope="module")
 def tower(default_model_dir):
     return load_vision_encoder(default_model_dir, "cpu", torch.float32)
@@ -328,9 +292,9 @@ async def health_status(url: str) -> int:
 
 async def test_failed_warmup_never_serves(default_model_dir, tower):
     from encoder_server.server import EncoderServer
-    from testkit.support import server_config
+    from testkit.servers import server_config
 
-    encoder = ControlledEncoder(tower)
+    encoder = EncoderDouble(tower)
     encoder.fail_with = RuntimeError("no device")
     server = EncoderServer(server_config(default_model_dir), encoder=encoder)
     with pytest.raises(RuntimeError, match="no device"):
@@ -340,7 +304,7 @@ async def test_failed_warmup_never_serves(default_model_dir, tower):
 
 
 async def test_dead_forward_worker_turns_health_not_serving_and_calls_fail_over(default_model_dir, tower):
-    encoder = ControlledEncoder(tower)
+    encoder = EncoderDouble(tower)
     async with running_server(default_model_dir, encoder=encoder) as doomed, running_server(default_model_dir) as spare:
         assert await health_status(doomed.url) == health_pb2.HealthCheckResponse.SERVING
         encoder.fail_with = WorkerKilled()
@@ -357,22 +321,21 @@ async def test_dead_forward_worker_turns_health_not_serving_and_calls_fail_over(
 
 
 async def test_server_drops_the_work_of_a_call_whose_deadline_passed(default_model_dir, tower):
-    encoder = ControlledEncoder(tower)
+    encoder = EncoderDouble(tower)
     async with running_server(default_model_dir, encoder=encoder) as server:
-        warm = encoder.images_forwarded
-        encoder.gate.clear()
-        encoder.entered.clear()
+        warm = encoder.items_forwarded
+        encoder.hold()
         async with EncoderReceiver([server.url], timeout=20.0) as rx:
             holding = asyncio.create_task(rx.encode("holds-the-worker", [{"data": image_bytes(56, 56)}]))
-            await asyncio.to_thread(encoder.entered.wait, 10)
+            await asyncio.to_thread(encoder.in_forward.wait, 10)
             started = time.perf_counter()
             with pytest.raises(EncodeFailedError) as raised:
                 await rx.encode("expires", [{"data": image_bytes(56, 84, seed=s)} for s in range(3)], timeout=0.5)
             assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert time.perf_counter() - started < 3.0
-            encoder.gate.set()
+            encoder.release()
             assert (await holding).items[0].num_tokens == 4
             after = await rx.encode("after", [{"data": image_bytes(56, 56, seed=99)}])
             assert after.items[0].num_tokens == 4
         # Forwards ran for the holding call and the one after, never for the expired call's 3 items.
-        assert encoder.images_forwarded - warm == 2
+        assert encoder.items_forwarded - warm == 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
@@ -11,13 +10,16 @@ import pytest
 import torch
 
 from encoder_server.images import decode_image
-from encoder_server.models import ImageEmbedding, PreparedImage, VisionEncoder, load_vision_encoder
+from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc
 from protos.wire import CHUNK_BYTES
 from receiver import EncoderReceiver, ShardError
 from testkit.checkpoints import write_checkpoint
-from testkit.support import image_bytes, reference_features, running_server
+from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
+from testkit.reference import reference_features
+from testkit.servers import running_server
 
 # case -> (family, builder options)
 CASES = {
@@ -193,28 +195,10 @@ def test_public_checkpoints_processor_configs_give_their_token_counts(case, chec
     assert output.embedding.shape == (num_tokens, encoder.spec.hidden_size)
 
 
-class MiscountingEncoder(VisionEncoder):
-    """A real encoder whose preprocessing announces one token too many for images of one width."""
-
-    def __init__(self, inner: VisionEncoder, wrong_width: int):
-        self.inner = inner
-        self.spec = inner.spec
-        self.wrong_width = wrong_width
-
-    def preprocess(self, image) -> PreparedImage:
-        prepared = self.inner.preprocess(image)
-        if image.width == self.wrong_width:
-            return dataclasses.replace(prepared, num_tokens=prepared.num_tokens + 1)
-        return prepared
-
-    def encode(self, batch) -> list[ImageEmbedding]:
-        return self.inner.encode(batch)
-
-
 @pytest.mark.parametrize("case", ["qwen3_vl", "llava"])
 async def test_token_count_mismatch_fails_the_item_with_internal_and_sends_nothing_for_it(case, checkpoints):
     model_dir = checkpoints[case]
-    encoder = MiscountingEncoder(load_vision_encoder(model_dir, "cpu", torch.float32), wrong_width=100)
+    encoder = EncoderDouble(load_vision_encoder(model_dir, "cpu", torch.float32), miscount_width=100)
     good, bad = image_bytes(64, 64, seed=1), image_bytes(100, 64, seed=2)
     produced = encoder.inner.preprocess(decode_image(bad)).num_tokens
     message = f"Encoder produced {produced} tokens, but preprocessing expected {produced + 1}"

@@ -1,4 +1,4 @@
-"""The README's grpcurl commands, run verbatim with the real grpcurl binary against a server process."""
+"""The grpcurl commands of docs/deployment.md, run verbatim with the real grpcurl binary against a server process."""
 
 from __future__ import annotations
 
@@ -14,19 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from testkit.support import REPO_ROOT, image_bytes, server_process
+from testkit import REPO_ROOT
+from testkit.images import image_bytes
+from testkit.launcher import launch_server
 
-DOCS = [REPO_ROOT / "README.md"]
+DOC = REPO_ROOT / "docs" / "deployment.md"
 DOC_ADDRESS = "localhost:50051"
 
 
 def grpcurl_commands(doc: Path) -> list[str]:
-    """The commands of the first ```sh block under the doc's `## grpcurl` heading, one per line."""
+    """The commands of the first ```bash block under the doc's `## grpcurl` heading, one per line."""
     section = re.search(r"^## grpcurl\n(.*?)(?=^## |\Z)", doc.read_text(), re.M | re.S)
-    if section is None:
-        return []
-    block = re.search(r"```sh\n(.*?)```", section.group(1), re.S)
-    assert block is not None, f"{doc}: the grpcurl section has no ```sh block"
+    assert section is not None, f"{doc} has no '## grpcurl' section"
+    block = re.search(r"```bash\n(.*?)```", section.group(1), re.S)
+    assert block is not None, f"{doc}: the grpcurl section has no ```bash block"
     return [line for line in block.group(1).splitlines() if line.strip() and not line.startswith("#")]
 
 
@@ -51,32 +52,30 @@ def json_messages(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(default_model_dir, tmp_path_factory):
-    with server_process(default_model_dir, log_dir=tmp_path_factory.mktemp("grpcurl-server")) as process:
+    with launch_server(default_model_dir, log_dir=tmp_path_factory.mktemp("grpcurl-server")) as process:
         yield process
 
 
-def test_readme_grpcurl_commands_work_as_written(server, tmp_path):
+def test_documented_grpcurl_commands_work_as_written(server, tmp_path):
     bin_dir = grpcurl_dir()
-    docs = [doc for doc in DOCS if doc.exists() and grpcurl_commands(doc)]
-    assert docs, "README.md has no '## grpcurl' section with a ```sh block"
+    commands = grpcurl_commands(DOC)
     png = image_bytes(300, 300, seed=5)  # 270 KB: its base64 would not fit in one 128 KiB argument
     assert len(base64.b64encode(png)) > 128 * 1024
     (tmp_path / "cat.png").write_bytes(png)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for doc in docs:
-        outputs = {}
-        for command in grpcurl_commands(doc):
-            run = command.replace(DOC_ADDRESS, f"127.0.0.1:{server.port}")
-            done = subprocess.run(
-                ["bash", "-o", "pipefail", "-c", run], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-            )
-            assert done.returncode == 0, f"{doc}: {command!r} failed:\n{done.stderr}"
-            outputs[command] = done.stdout
-        check_outputs(outputs, tmp_path)
+    outputs = {}
+    for command in commands:
+        run = command.replace(DOC_ADDRESS, f"127.0.0.1:{server.port}")
+        done = subprocess.run(
+            ["bash", "-o", "pipefail", "-c", run], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, f"{DOC}: {command!r} failed:\n{done.stderr}"
+        outputs[command] = done.stdout
+    check_outputs(outputs, tmp_path)
 
 
 def check_outputs(outputs: dict[str, str], cwd: Path) -> None:
-    """Each documented command printed what the README says it prints; none is left unchecked."""
+    """Each documented command printed what the page says it prints; none is left unchecked."""
     unchecked = dict(outputs)
 
     def output(fragment: str) -> str:

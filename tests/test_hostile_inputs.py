@@ -23,7 +23,9 @@ from PIL import Image
 
 from protos import encoder_pb2 as pb
 from receiver import EncodeFailedError, EncoderReceiver, InvalidItemError, UnsupportedModalityError
-from testkit.support import REPO_ROOT, image_bytes, running_server
+from testkit import REPO_ROOT
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 MAX_PIXELS = 4096 * 4096
 MAX_ITEMS = 8

@@ -14,7 +14,9 @@ import torch
 from encoder_server.images import decode_image
 from encoder_server.models import CheckpointError, load_vision_encoder
 from testkit.checkpoints import BUILDERS, rename_prefixes, rewrite_tensors, tensor_names, write_checkpoint
-from testkit.support import REPO_ROOT, image_bytes, server_process
+from testkit import REPO_ROOT
+from testkit.images import image_bytes
+from testkit.launcher import launch_server
 
 # The layouts real checkpoints of each family store, as renames of what transformers 5.x saves.
 OTHER_LAYOUTS = {
@@ -179,7 +181,7 @@ def test_unsupported_model_type_fails_listing_the_supported_ones(checkpoints, tm
     assert str(raised.value) == expected.format(model_dir / "config.json")
     # The server process refuses to start with the same message, and exits.
     with pytest.raises(RuntimeError, match="supported: llava, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe"):
-        with server_process(model_dir, "--device", "cpu", log_dir=tmp_path):
+        with launch_server(model_dir, "--device", "cpu", log_dir=tmp_path):
             pass
 
 

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import logging
 import re
-import threading
 import urllib.request
 
 import grpc
@@ -18,10 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_server.batcher import BatchingConfig
 from encoder_server.metrics import CacheStats
-from encoder_server.models import VisionEncoder, load_vision_encoder
+from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver, ShardError
-from testkit.support import image_bytes, running_server, server_process
+from testkit.images import image_bytes
+from testkit.encoders import EncoderDouble
+from testkit.launcher import launch_server
+from testkit.servers import running_server
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -97,22 +99,6 @@ async def raw_encode(url: str, request: pb.EncodeRequest) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-class GatedEncoder(VisionEncoder):
-    """The real encoder, whose forwards wait until the test opens the gate."""
-
-    def __init__(self, inner: VisionEncoder):
-        self.inner, self.spec = inner, inner.spec
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def preprocess(self, image):
-        return self.inner.preprocess(image)
-
-    def encode(self, batch):
-        assert self.gate.wait(timeout=30)
-        return self.inner.encode(batch)
-
-
 async def wait_for(predicate, what: str) -> None:
     for _ in range(500):
         if predicate():
@@ -122,19 +108,20 @@ async def wait_for(predicate, what: str) -> None:
 
 
 async def test_queue_depth_in_flight_and_a_deadline_while_the_forward_is_busy(default_model_dir):
-    encoder = GatedEncoder(load_vision_encoder(default_model_dir, "cpu", torch.float32))
+    encoder = EncoderDouble(load_vision_encoder(default_model_dir, "cpu", torch.float32))
     batching = BatchingConfig(max_batch_images=1)
     async with running_server(default_model_dir, encoder=encoder, metrics_port=0, batching=batching) as server:
-        encoder.gate.clear()
+        encoder.hold()
         async with EncoderReceiver([server.url]) as rx:
             call = asyncio.create_task(rx.encode("busy", [{"data": image_bytes(28, 28, seed=i)} for i in range(3)]))
             # One item is in the blocked forward, two wait in the queue.
             await wait_for(lambda: value(scrape(server.metrics_port), "encoder_queue_items") == 2, "2 queued items")
             assert value(scrape(server.metrics_port), "encoder_requests_in_flight") == 1
             with pytest.raises(ShardError) as raised:
-                await rx.encode("late", [{"data": image_bytes(28, 28, seed=9)}], timeout=0.3)
+                # Long enough to reach the server on a loaded machine; the held forward makes it expire there.
+                await rx.encode("late", [{"data": image_bytes(28, 28, seed=9)}], timeout=3.0)
             assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            encoder.gate.set()
+            encoder.release()
             assert len((await call).items) == 3
         await wait_for(
             lambda: value(scrape(server.metrics_port), "encoder_requests_total", outcome="cancelled", code="DEADLINE_EXCEEDED") == 1,
@@ -195,7 +182,7 @@ async def test_one_log_line_per_request_with_id_items_tokens_and_timings_and_no_
 
 
 def test_the_server_command_serves_metrics_on_metrics_port(default_model_dir, tmp_path):
-    with server_process(default_model_dir, "--metrics-port", "0", "--no-warmup", log_dir=tmp_path) as process:
+    with launch_server(default_model_dir, "--metrics-port", "0", "--no-warmup", log_dir=tmp_path) as process:
         match = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", process.log())
         assert match, process.log()
         samples = scrape(int(match.group(1)))

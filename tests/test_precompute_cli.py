@@ -14,7 +14,8 @@ import torch
 from receiver import EncoderReceiver, InvalidItemError
 from encoder_server.precompute import load_precomputed, main, precomputed_item
 from testkit.rpc_log import logged_server
-from testkit.support import REPO_ROOT, image_bytes
+from testkit import REPO_ROOT
+from testkit.images import image_bytes
 
 
 def sha(data: bytes) -> str:

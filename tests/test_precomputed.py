@@ -9,7 +9,8 @@ from protos import encoder_pb2 as pb
 from receiver import EncoderError, EncoderReceiver, InvalidItemError, UnsupportedModalityError
 from receiver.precomputed import precomputed_result
 from testkit.rpc_log import logged_server
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 IMAGES = [
     image_bytes(56 * (1 + i % 2), 56 * (1 + i // 2), seed=40 + i) for i in range(4)

@@ -15,7 +15,8 @@ from receiver import (
     batch_embedding,
     expand_placeholders,
 )
-from testkit.support import image_bytes, running_server
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 IMAGE_PAD = 151655  # Qwen2-VL's <|image_pad|>
 VISION_START, VISION_END = 151652, 151653
@@ -46,7 +47,7 @@ def test_expand_placeholders_repeats_each_by_its_token_count():
     ids, items_offset = expand_placeholders([1, 2, IMAGE_PAD, 3, IMAGE_PAD, 4], IMAGE_PAD, result)
     assert ids == [1, 2] + [IMAGE_PAD] * 4 + [3] + [IMAGE_PAD] * 8 + [4]
     assert items_offset == [(2, 5), (7, 14)]
-    rows, start, end = result.chunk(0, len(ids), items_offset)
+    rows, start, end = result.window(0, len(ids), items_offset)
     assert (start, end) == (0, 12) and torch.equal(rows, result.embedding)
 
 
@@ -111,13 +112,13 @@ async def test_chunked_prefill_of_the_batch_step_by_step_covers_every_row_once(b
     prompts = [
         expand_placeholders(prompt(len(r.items), seed), IMAGE_PAD, r) for seed, r in enumerate(requests)
     ]
-    chunk_size = 9  # tokens per request per step: windows start and end inside items and text alike
-    steps = max(len(ids) for ids, _ in prompts) // chunk_size + 1
+    window_size = 9  # tokens per request per step: windows start and end inside items and text alike
+    steps = max(len(ids) for ids, _ in prompts) // window_size + 1
     gathered: list[list[torch.Tensor]] = [[] for _ in requests]
     for step in range(steps):
-        prefix = step * chunk_size
+        prefix = step * window_size
         windows = [
-            Window(prefix, max(0, min(chunk_size, len(ids) - prefix)), offsets) for ids, offsets in prompts
+            Window(prefix, max(0, min(window_size, len(ids) - prefix)), offsets) for ids, offsets in prompts
         ]
         out = batch_embedding(requests, device, windows).cpu()
         # Exactly one row per placeholder token inside each request's window, in batch order.
@@ -127,7 +128,7 @@ async def test_chunked_prefill_of_the_batch_step_by_step_covers_every_row_once(b
         ]
         assert out.shape[0] == sum(counts)
         for i, piece in enumerate(out.split(counts)):
-            assert torch.equal(piece, requests[i].chunk(*windows[i])[0])
+            assert torch.equal(piece, requests[i].window(*windows[i])[0])
             gathered[i].append(piece)
     for request, pieces in zip(requests, gathered):
         assert torch.equal(torch.cat(pieces), request.embedding)

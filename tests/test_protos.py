@@ -11,7 +11,7 @@ import torch
 from protos import encoder_pb2 as pb
 from protos import wire
 from protos.generate import stale_files
-from testkit.support import REPO_ROOT
+from testkit import REPO_ROOT
 
 
 def test_committed_generated_code_matches_the_proto():

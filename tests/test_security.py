@@ -18,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_server.tls import TlsConfig
 from receiver import ClientTls, EncodeFailedError, EncoderReceiver
-from testkit.support import image_bytes, running_server, server_process
+from testkit.images import image_bytes
+from testkit.launcher import launch_server
+from testkit.servers import running_server
 
 TOKEN = "s3cret-token-0123456789abcdef"
 
@@ -179,7 +181,7 @@ async def test_cli_flags_serve_mtls_with_a_token(default_model_dir, pki, token_f
         "--tls-client-ca-file", str(pki.ca.cert_file),
         "--auth-token-file", str(token_file),
     ]  # fmt: skip
-    with server_process(default_model_dir, *flags, log_dir=tmp_path) as proc:
+    with launch_server(default_model_dir, *flags, log_dir=tmp_path) as proc:
         assert "mTLS, bearer token" in proc.log()
         client = ClientTls.from_files(ca_file=pki.ca.cert_file, cert_file=pki.client.cert_file, key_file=pki.client.key_file)
         url = f"grpcs://127.0.0.1:{proc.port}"

@@ -21,21 +21,17 @@ from encoder_server.batcher import BatchingConfig
 from encoder_server.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
 from protos import wire
-from protos.shm import (
-    SERVER_KIND,
-    SHM_DIR,
-    create_locked,
-    item_proof,
-    new_instance,
-    random_name,
-    segment_header,
-    sweep_stale,
-)
+from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
+from protos.shm import SERVER_KIND, item_proof, new_instance, random_name, segment_header
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
 from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
 from receiver.shm import Placement, ShmReceiver
-from testkit.support import REPO_ROOT, FixedSizeEncoder, image_bytes, running_server, server_process
+from testkit import REPO_ROOT
+from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
+from testkit.launcher import launch_server
+from testkit.servers import running_server
 
 # 600 tokens x 2048 bf16, plus one deepstack layer: 4.9 MB, over gRPC's 4 MiB message limit.
 NUM_TOKENS = 600
@@ -43,8 +39,8 @@ ITEM_BYTES = 2 * NUM_TOKENS * 2048 * 2
 NOBODY = 65534
 
 
-def fixed_encoder(**kwargs) -> FixedSizeEncoder:
-    return FixedSizeEncoder(NUM_TOKENS, num_deepstack_layers=1, **kwargs)
+def fixed_encoder(**kwargs) -> EncoderDouble:
+    return EncoderDouble(tokens=NUM_TOKENS, num_deepstack_layers=1, **kwargs)
 
 
 def items(n: int, first_width: int = 8) -> list[dict]:
@@ -53,7 +49,7 @@ def items(n: int, first_width: int = 8) -> list[dict]:
 
 
 def files_of(instance: str) -> list[str]:
-    return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(instance + "."))
+    return sorted(name for name in os.listdir(shm_dir()) if name.startswith(instance + "."))
 
 
 def segments_of(instance: str) -> list[str]:
@@ -98,11 +94,13 @@ async def shm_server(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-async def slow_server(default_model_dir):
-    """Half a second per item, one item per forward: calls are still running when a test cuts them off."""
-    slow = fixed_encoder(forward_s=0.5)
+async def gated_server(default_model_dir):
+    """One item per forward, behind the double's gate: a test lets the first item through and holds
+    the rest, so the call is still running when the test cuts it off."""
+    gated = fixed_encoder()
     batching = BatchingConfig(max_batch_images=1)
-    async with running_server(default_model_dir, encoder=slow, shm=ShmConfig(), batching=batching) as server:
+    async with running_server(default_model_dir, encoder=gated, shm=ShmConfig(), batching=batching) as server:
+        server.double = gated  # type: ignore[attr-defined]
         yield server
 
 
@@ -195,11 +193,11 @@ async def test_no_segment_left_after_normal_use_and_nothing_after_stop(default_m
             for n in (1, 4):
                 await rx.encode(f"n{n}", items(n))
             probe = rx._shm.probe
-            assert probe in os.listdir(SHM_DIR)
+            assert probe in os.listdir(shm_dir())
             assert segments_of(instance) == [] and server.shm.outstanding() == []
             assert server.shm.stats.released == 5
             assert any(".pool." in name for name in files_of(instance))  # kept warm for reuse
-        assert probe not in os.listdir(SHM_DIR)
+        assert probe not in os.listdir(shm_dir())
     assert files_of(instance) == []
 
 
@@ -268,14 +266,14 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
     endpoint = EncoderEndpoint.connect(shm_server.url)
     request = offer_request("private", shm, 3)
     assert shm._token not in request.SerializeToString()  # the offer names the probe, never the token
-    assert stat.S_IMODE(os.stat(SHM_DIR / shm.probe).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(shm_dir() / shm.probe).st_mode) == 0o600
     try:
         headers = [message async for message in endpoint.encode(request, timeout=30)]
         names = [header.shm.segment for header in headers]
         instance = shm_server.shm.instance
         assert len(set(names)) == 3
         for name in names:
-            path = SHM_DIR / name
+            path = shm_dir() / name
             st = os.stat(path)
             assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
             random_part = name.removeprefix(f"{instance}.seg.")
@@ -290,31 +288,35 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
         shm.close()
 
 
-async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
+async def test_segments_are_taken_back_when_the_client_cancels(gated_server):
     shm = ShmReceiver(strict=True)
-    endpoint = EncoderEndpoint.connect(slow_server.url)
+    endpoint = EncoderEndpoint.connect(gated_server.url)
+    gated_server.double.hold()
+    gated_server.double.release(forwards=1)
     try:
         call = endpoint.encode(offer_request("cancel", shm, 3), timeout=30)
-        first = await call.read()  # the next item is still in its forward
-        assert first.shm.segment in os.listdir(SHM_DIR)
-        before = slow_server.shm.stats.reclaimed_cancel
+        first = await call.read()  # the next item waits at the gate
+        assert first.shm.segment in os.listdir(shm_dir())
+        before = gated_server.shm.stats.reclaimed_cancel
         call.cancel()
-        assert await wait_until(lambda: segments_of(slow_server.shm.instance) == [])
-        assert slow_server.shm.stats.reclaimed_cancel - before >= 1 and slow_server.shm.outstanding() == []
+        assert await wait_until(lambda: segments_of(gated_server.shm.instance) == [])
+        assert gated_server.shm.stats.reclaimed_cancel - before >= 1 and gated_server.shm.outstanding() == []
     finally:
+        gated_server.double.release()
         await endpoint.close()
         shm.close()
 
 
-async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
-    server = slow_server
+async def test_segments_are_taken_back_when_the_deadline_passes(gated_server):
+    server = gated_server
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(server.url)
+    server.double.hold()
+    server.double.release(forwards=1)  # the first item, and then nothing until the deadline has passed
     try:
-        # 4 items take 2 s at least; the first comes after 0.5 s (1 s behind a forward left running).
-        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=1.5)
+        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=3.0)
         first = await call.read()
-        assert first.shm.segment in os.listdir(SHM_DIR)
+        assert first.shm.segment in os.listdir(shm_dir())
         before = server.shm.stats.reclaimed_cancel
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             while await call.read() is not grpc.aio.EOF:  # headers only: nobody reads their segments
@@ -322,14 +324,16 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert await wait_until(lambda: segments_of(server.shm.instance) == [])
         assert server.shm.stats.reclaimed_cancel - before >= 1
+        async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
+            server.double.release(forwards=2)  # the first call's item left at the gate, and one more
+            with pytest.raises(ShardError) as raised:
+                await rx.encode("deadline", items(4), timeout=3.0)
+        assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
     finally:
+        server.double.release()
         await endpoint.close()
         shm.close()
-    async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
-        with pytest.raises(ShardError) as raised:
-            await rx.encode("deadline", items(4), timeout=1.5)
-    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
 
 
 RECEIVER_SCRIPT = """
@@ -381,7 +385,7 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
                 lines.append(line.decode().split())
             segments = [name for kind, name in lines if kind == "segment"]
             probe = lines[-1][1]
-            assert all(name in os.listdir(SHM_DIR) for name in [*segments, probe])
+            assert all(name in os.listdir(shm_dir()) for name in [*segments, probe])
             child.send_signal(signal.SIGKILL)
             await child.wait()
         finally:
@@ -389,7 +393,7 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
                 child.kill()
                 await child.wait()
         # The cut call's segment goes at once, the whole call's after 1 s, the probe at the next sweep.
-        gone = lambda: not set([*segments, probe]) & set(os.listdir(SHM_DIR))  # noqa: E731
+        gone = lambda: not set([*segments, probe]) & set(os.listdir(shm_dir()))  # noqa: E731
         assert await wait_until(gone, timeout=15)
         stats = server.shm.stats
         assert stats.reclaimed_timeout >= 1 and stats.reclaimed_cancel >= 1
@@ -416,12 +420,12 @@ async def test_server_sigkill_leaves_files_that_receivers_and_the_next_server_re
         assert f"{instance}.lock" in left and header.shm.segment in left and any(".pool." in n for n in left)
         return instance
 
-    with server_process(default_model_dir, "--shm-transfer", log_dir=tmp_path) as first:
+    with launch_server(default_model_dir, "--shm-transfer", log_dir=tmp_path) as first:
         dead = await leave_segment_behind(first)
     ShmReceiver(strict=True).close()  # a receiver starting up removes a dead server's files
     assert files_of(dead) == []
 
-    with server_process(default_model_dir, "--shm-transfer", log_dir=tmp_path) as second:
+    with launch_server(default_model_dir, "--shm-transfer", log_dir=tmp_path) as second:
         dead = await leave_segment_behind(second)
     async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig()):
         assert files_of(dead) == []  # the next server's start removed them
@@ -468,7 +472,7 @@ class TestRefusal:
         written.CopyFrom(header)
         for key, value in segment_fields.items():
             setattr(written, key, value)
-        path = SHM_DIR / name
+        path = shm_dir() / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         os.fchmod(fd, mode)
         os.write(fd, segment_header(written, proof) + payload)
@@ -584,10 +588,37 @@ async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers
 
 
 async def test_small_payloads_go_as_chunks(default_model_dir):
-    tiny = FixedSizeEncoder(4, num_deepstack_layers=0)  # 16 KiB
+    tiny = EncoderDouble(tokens=4)  # 16 KiB
     async with running_server(default_model_dir, encoder=tiny, shm=ShmConfig()) as server:
         async with EncoderReceiver([server.url], transfer="shm") as rx:  # proven, so no error
             result = await rx.encode("tiny", items(2))
             assert rx.transfer_stats.fallbacks == {"small_item": 2}
         assert server.shm.stats.items == 0 and server.shm.pool_bytes == 0
     assert torch.equal(result.items[1].embedding, tiny.output(9).embedding)
+
+
+def leave_a_dead_instance(directory) -> set[str]:
+    """Files of an encoder process that died: what a sweep removes."""
+    dead = new_instance(SERVER_KIND)
+    os.close(create_locked(directory / f"{dead}.lock"))
+    (directory / random_name(dead, "seg")).write_bytes(b"x")
+    return set(os.listdir(directory))
+
+
+async def test_a_receiver_touches_shared_memory_only_when_a_call_can_use_it(
+    plain_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("ENCODER_SHM_DIR", str(tmp_path))  # read when a receiver is made, not at import
+    left = leave_a_dead_instance(tmp_path)
+    async with EncoderReceiver([plain_server.url], transfer="grpc") as rx:
+        await rx.encode("grpc", items(1))
+        assert rx._shm is None and set(os.listdir(tmp_path)) == left
+    remote = "grpc://192.0.2.1:50051"  # TEST-NET-1: an address of no machine here
+    async with EncoderReceiver([remote]) as rx:
+        assert rx._shm.offer(remote) is None  # "auto" offers nothing to another machine
+        assert set(os.listdir(tmp_path)) == left
+    async with EncoderReceiver([plain_server.url]) as rx:
+        assert set(os.listdir(tmp_path)) == left  # "auto": nothing swept, no probe, until a call
+        await rx.encode("auto", items(1))  # loopback: the encoder could share this host
+        assert set(os.listdir(tmp_path)) == {rx._shm.probe}  # the dead instance swept, the probe made
+    assert os.listdir(tmp_path) == []

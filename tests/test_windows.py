@@ -1,4 +1,5 @@
-"""Chunked-prefill windows: get_embedding_chunk and EncodeResult.chunk against a per-position reference."""
+"""Chunked-prefill windows: window_rows and EncodeResult.window, and their SGLang names get_embedding_chunk and
+EncodeResult.chunk, against a per-position reference."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 import pytest
 import torch
 
-from receiver import EncodeResult, ItemResult, ItemsOffsetError, get_embedding_chunk
+from receiver import EncodeResult, ItemResult, ItemsOffsetError, get_embedding_chunk, window_rows
 
 
 def reference_bounds(extend_prefix_len: int, extend_seq_len: int, items_offset) -> tuple[int, int]:
@@ -41,11 +42,14 @@ def result_of(counts: list[int], hidden: int = 3) -> EncodeResult:
     return EncodeResult("r", items)
 
 
-def test_example_from_the_issue():
+def test_example_from_the_issue_through_the_sglang_names():
     embedding = torch.arange(8, dtype=torch.float32).reshape(4, 2)
     rows, start, end = get_embedding_chunk(embedding, 3, 12, [(2, 3), (6, 7)])
     assert (start, end) == (1, 4)
     assert torch.equal(rows, embedding[1:4])
+    result = result_of([2, 2], hidden=2)
+    rows, start, end = result.chunk(3, 12, [(2, 3), (6, 7)])
+    assert (start, end) == (1, 4) and torch.equal(rows, result.embedding[1:4])
 
 
 def test_matches_reference_on_thousands_of_random_layouts():
@@ -63,11 +67,11 @@ def test_matches_reference_on_thousands_of_random_layouts():
         pieces = []
         for prefix, length in windows:
             want = reference_bounds(prefix, length, offsets)
-            rows, start, end = get_embedding_chunk(result.embedding, prefix, length, offsets)
+            rows, start, end = window_rows(result.embedding, prefix, length, offsets)
             assert (start, end) == want, (offsets, prefix, length)
             assert torch.equal(rows, result.embedding[start:end])
-            chunk, *bounds = result.chunk(prefix, length, offsets)
-            assert tuple(bounds) == want and torch.equal(chunk, rows)
+            window, *bounds = result.window(prefix, length, offsets)
+            assert tuple(bounds) == want and torch.equal(window, rows)
             if len(pieces) < len(windows) - 1:
                 pieces.append(rows)
             windows_checked += 1
@@ -92,7 +96,7 @@ def test_matches_reference_on_thousands_of_random_layouts():
 def test_windows_inside_around_and_between_items(prefix, length, bounds):
     offsets = [(3, 6), (10, 11)]  # prompt: 3 text, 4 image, 3 text, 2 image, text
     result = result_of([4, 2])
-    rows, start, end = result.chunk(prefix, length, offsets)
+    rows, start, end = result.window(prefix, length, offsets)
     assert (start, end) == bounds == reference_bounds(prefix, length, offsets)
     assert torch.equal(rows, result.embedding[start:end])
 
@@ -110,28 +114,28 @@ def test_windows_inside_around_and_between_items(prefix, length, bounds):
 def test_bad_offsets_are_errors_not_wrong_rows(offsets, message):
     embedding = torch.zeros(6, 2)
     with pytest.raises(ItemsOffsetError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        get_embedding_chunk(embedding, 0, 4, offsets)
+        window_rows(embedding, 0, 4, offsets)
 
 
 def test_result_chunk_checks_each_item_not_just_the_total():
     result = result_of([4, 2])
     # 6 positions in all, as many as rows, but split 2 + 4 instead of 4 + 2.
-    get_embedding_chunk(result.embedding, 0, 20, [(0, 1), (5, 8)])
+    window_rows(result.embedding, 0, 20, [(0, 1), (5, 8)])
     with pytest.raises(
         ItemsOffsetError, match=r"item 0: items_offset run \(0, 1\) covers 2 positions, the item has 4 tokens"
     ):
-        result.chunk(0, 20, [(0, 1), (5, 8)])
+        result.window(0, 20, [(0, 1), (5, 8)])
     with pytest.raises(ItemsOffsetError, match="items_offset has 1 runs for 2 items"):
-        result.chunk(0, 20, [(0, 5)])
+        result.window(0, 20, [(0, 5)])
 
 
 def test_a_request_without_items_has_no_rows_in_any_window():
-    rows, start, end = get_embedding_chunk(torch.zeros(0, 3), 4, 9, [])
+    rows, start, end = window_rows(torch.zeros(0, 3), 4, 9, [])
     assert (start, end) == (0, 0) and rows.shape == (0, 3)
 
 
 def test_bad_windows_and_embeddings():
     with pytest.raises(ValueError, match="must be >= 0"):
-        get_embedding_chunk(torch.zeros(2, 2), -1, 4, [(0, 1)])
+        window_rows(torch.zeros(2, 2), -1, 4, [(0, 1)])
     with pytest.raises(ValueError, match="embedding must be"):
-        get_embedding_chunk(torch.zeros(1, 2, 2), 0, 4, [(0, 1)])
+        window_rows(torch.zeros(1, 2, 2), 0, 4, [(0, 1)])

@@ -1,18 +1,29 @@
-"""Chunked prefill: which rows of a request's embedding fall inside one prefill window of its prompt.
+"""Chunked-prefill windows: which rows of a request's embedding fall inside one prefill window (the
+slice of the prompt one prefill step runs) of its prompt.
 
 `items_offset` lists each item's placeholder run in the prompt as inclusive (start, end) token
 positions; row r of the request's embedding belongs to the r-th placeholder position overall.
+SGLang calls a window a "chunk" (`get_embedding_chunk`); here a chunk is a wire message only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from encoder_common.errors import ItemsOffsetError
 
 ItemsOffset = Sequence[tuple[int, int]]
+
+
+class Window(NamedTuple):
+    """One chunked-prefill step of a request: `extend_prefix_len` tokens cached, `extend_seq_len` more run."""
+
+    extend_prefix_len: int
+    extend_seq_len: int
+    items_offset: ItemsOffset
 
 
 def check_items_offset(items_offset: ItemsOffset, num_tokens: int | Sequence[int]) -> None:
@@ -51,7 +62,7 @@ def check_items_offset(items_offset: ItemsOffset, num_tokens: int | Sequence[int
             )
 
 
-def chunk_bounds(extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset) -> tuple[int, int]:
+def window_bounds(extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset) -> tuple[int, int]:
     """Rows start:end of the embedding whose positions lie in the window.
 
     The window is [extend_prefix_len, extend_prefix_len + extend_seq_len).
@@ -77,7 +88,7 @@ def _positions_before(items_offset: ItemsOffset, position: int) -> int:
     return count
 
 
-def get_embedding_chunk(
+def window_rows(
     embedding: torch.Tensor, extend_prefix_len: int, extend_seq_len: int, items_offset: ItemsOffset
 ) -> tuple[torch.Tensor, int, int]:
     """The rows of `embedding` [num_tokens, hidden_size] for one prefill window, and their bounds.
@@ -89,5 +100,9 @@ def get_embedding_chunk(
     if embedding.dim() != 2:
         raise ValueError(f"embedding must be [num_tokens, hidden_size], got shape {tuple(embedding.shape)}")
     check_items_offset(items_offset, int(embedding.shape[0]))
-    start, end = chunk_bounds(extend_prefix_len, extend_seq_len, items_offset)
+    start, end = window_bounds(extend_prefix_len, extend_seq_len, items_offset)
     return embedding[start:end], start, end
+
+
+# SGLang's name for it, which prefill code written against SGLang calls.
+get_embedding_chunk = window_rows
