@@ -17,7 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encoder_server.streams import EVICT_AFTER_S, RESIDUE_BYTES, StreamLimits
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver
-from testkit.support import REPO_ROOT, FixedSizeEncoder, image_bytes, running_server
+from testkit import REPO_ROOT
+from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
+from testkit.servers import running_server
 
 NUM_TOKENS = 1792  # x 2048 bf16: a 7 MiB item
 ITEM_BYTES = NUM_TOKENS * 2048 * 2
@@ -66,7 +69,7 @@ async def small_budget_server(default_model_dir):
     # output and its chunks), the two that share it once each.
     limits = StreamLimits(max_bytes=4 * ITEM_BYTES + MiB, stall_timeout_s=4.0)
     async with running_server(
-        default_model_dir, encoder=FixedSizeEncoder(NUM_TOKENS), dtype=torch.bfloat16, streams=limits
+        default_model_dir, encoder=EncoderDouble(tokens=NUM_TOKENS), dtype=torch.bfloat16, streams=limits
     ) as server:
         yield server
 
@@ -121,9 +124,10 @@ from encoder_server.models import ImageEmbedding
 from encoder_server.server import EncoderServer
 from encoder_server.batcher import BatchingConfig
 from encoder_server.streams import StreamLimits
-from testkit.support import FixedSizeEncoder, server_config
+from testkit.encoders import EncoderDouble
+from testkit.servers import server_config
 
-class FreshEncoder(FixedSizeEncoder):
+class FreshEncoder(EncoderDouble):
     # A new tensor per item, as a real forward makes: nothing is shared between calls.
     def encode(self, batch):
         return [ImageEmbedding(out.embedding.clone()) for out in super().encode(batch)]
@@ -135,7 +139,7 @@ async def main():
         sys.argv[1], dtype=torch.bfloat16, cache_bytes=0, batching=BatchingConfig(max_batch_images=4),
         streams=StreamLimits(max_bytes=int(sys.argv[2]), stall_timeout_s=5.0),
     )
-    server = EncoderServer(config, encoder=FreshEncoder(int(sys.argv[3])))
+    server = EncoderServer(config, encoder=FreshEncoder(tokens=int(sys.argv[3])))
     await server.start()
     print(server.port, flush=True)
     await server.wait_for_termination()
