@@ -6,15 +6,29 @@ receiver turns a status it got back into the same error class.
 
 from __future__ import annotations
 
+import enum
+
 import grpc
+
+
+class Failover(enum.Enum):
+    """What a receiver does when an encoder's call fails with an error of a class (its `failover`)."""
+
+    REPLACE = "replace"  # the encoder is broken: bench it, re-place its unfinished items on others
+    BACK_OFF = "back off"  # the encoder is busy, not broken: retry its items after a back-off
+    TERMINAL = "terminal"  # no encoder can do better: fail the whole request at once
 
 
 class EncoderError(Exception):
     """Base of every error the encode path raises on purpose."""
 
+    failover = Failover.REPLACE
+
 
 class InvalidItemError(EncoderError, ValueError):
     """An item (or the request carrying it) is malformed: the caller's fault, never retried."""
+
+    failover = Failover.TERMINAL
 
 
 class UnsupportedModalityError(InvalidItemError, NotImplementedError):
@@ -32,17 +46,29 @@ class ItemsOffsetError(InvalidItemError):
 class OverloadedError(EncoderError):
     """The server's queue is full; the call was refused at once."""
 
+    failover = Failover.BACK_OFF
+
 
 class UnavailableError(EncoderError):
     """The server is not serving (starting, draining or shutting down)."""
 
 
 class UnauthenticatedError(EncoderError):
-    """The call carried no valid credentials."""
+    """The call carried no valid credentials: the caller's configuration, the same on every encoder."""
+
+    failover = Failover.TERMINAL
+
+
+class PermissionDeniedError(EncoderError):
+    """The caller's credentials do not allow the call."""
+
+    failover = Failover.TERMINAL
 
 
 class DeadlineExceededError(EncoderError, TimeoutError):
     """The call's deadline passed before its items were encoded."""
+
+    failover = Failover.TERMINAL
 
 
 class SharedMemoryUnavailableError(EncoderError):
@@ -64,6 +90,7 @@ STATUS_BY_ERROR: dict[type[EncoderError], grpc.StatusCode] = {
     OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     SharedMemoryUnavailableError: grpc.StatusCode.FAILED_PRECONDITION,
     TokenCountMismatchError: grpc.StatusCode.INTERNAL,
@@ -75,18 +102,31 @@ _ERROR_BY_STATUS: dict[grpc.StatusCode, type[EncoderError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
 
 def status_for(error: BaseException) -> grpc.StatusCode:
     """The status code a server sends for `error`; INTERNAL for anything unexpected."""
-    for cls in type(error).__mro__:
-        if cls in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[cls]
+    return status_for_class(type(error))
+
+
+def status_for_class(cls: type[BaseException]) -> grpc.StatusCode:
+    """The status code of an error class; INTERNAL for anything unexpected."""
+    for base in cls.__mro__:
+        if base in STATUS_BY_ERROR:
+            return STATUS_BY_ERROR[base]
     return grpc.StatusCode.INTERNAL
 
 
-def error_class_for(code: grpc.StatusCode) -> type[EncoderError]:
-    """The error class a receiver raises for a status it got back."""
+# gRPC itself refuses a message over the size limit with RESOURCE_EXHAUSTED and this text; that is
+# the caller's request being too large, not an overloaded server.
+_MESSAGE_TOO_LARGE = "larger than max"
+
+
+def error_class_for(code: grpc.StatusCode, details: str = "") -> type[EncoderError]:
+    """The error class a receiver raises for a status (and its details) it got back."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE in details:
+        return InvalidItemError
     return _ERROR_BY_STATUS.get(code, EncoderError)

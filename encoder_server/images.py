@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from encoder_common.errors import InvalidItemError
@@ -60,15 +59,12 @@ def decode_image(
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
+    """The RGB image the checkpoint's own processor makes of what Pillow opened (transformers'
+    `convert_to_rgb`): every mode through Pillow's own conversion, so 16-bit and wider greyscale is
+    clipped at 255 exactly as in-process, not rescaled; transparency composited on white."""
     if image.mode == "RGB":
         return image
-    if image.mode.startswith("I;16") or image.mode in ("I", "F"):
-        # 16-bit (or wider) grayscale: scale to 8 bits rather than clip at 255.
-        values = np.asarray(image, dtype=np.float32)
-        full_scale = 65535.0 if image.mode.startswith("I;16") else max(float(values.max()), 1.0)
-        image = Image.fromarray(np.rint(values * (255.0 / full_scale)).clip(0, 255).astype(np.uint8), "L")
-    if "A" in image.getbands() or image.mode == "P" and "transparency" in image.info:
-        # Composite on white, as a viewer shows it, rather than exposing undefined colour under alpha.
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")

@@ -64,6 +64,7 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
         max_items_per_request=config.max_items_per_request,
         max_request_bytes=config.max_request_bytes,
         server_version=__version__,
+        extra_tokens_per_item=spec.extra_tokens_per_item,
     )
 
 

@@ -131,7 +131,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("family", "model_type", "hidden_size", "dtype", "patch_size", "spatial_merge_size", "temporal_patch_size", "num_deepstack_layers", "weights_fingerprint", "device", "random_weights", "max_items_per_request", "max_request_bytes", "server_version")
+    __slots__ = ("family", "model_type", "hidden_size", "dtype", "patch_size", "spatial_merge_size", "temporal_patch_size", "num_deepstack_layers", "weights_fingerprint", "device", "random_weights", "max_items_per_request", "max_request_bytes", "server_version", "extra_tokens_per_item")
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class ModelInfo(_message.Message):
     MAX_ITEMS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_TOKENS_PER_ITEM_FIELD_NUMBER: _ClassVar[int]
     family: str
     model_type: str
     hidden_size: int
@@ -160,4 +161,5 @@ class ModelInfo(_message.Message):
     max_items_per_request: int
     max_request_bytes: int
     server_version: str
-    def __init__(self, family: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., num_deepstack_layers: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., max_items_per_request: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    extra_tokens_per_item: int
+    def __init__(self, family: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., num_deepstack_layers: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., max_items_per_request: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., extra_tokens_per_item: _Optional[int] = ...) -> None: ...

@@ -6,48 +6,41 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from protos import encoder_pb2 as pb
-from encoder_common.errors import EncoderError, SharedMemoryUnavailableError, error_class_for
+from encoder_common.errors import EncoderError, Failover, SharedMemoryUnavailableError, error_class_for
 
 from .assembly import ShardAssembler, StreamProtocolError
 from .channels import ClientTls, EncoderEndpoint
 from .discovery import DEFAULT_REFRESH_S, EncoderDiscovery, EndpointPool, Resolver, resolve_all
-from .errors import EncodeFailedError, ItemAttempt, ShardError
+from .errors import EncodeFailedError, ShardError
 from .health import FailoverPolicy, HealthTracker
 from .items import ImageSource, check_items, read_image_bytes
 from .metrics import ReceiverMetrics
-from .precomputed import agreed_model, is_precomputed, precomputed_result
+from .placement import RequestPlacement
+from .precomputed import agreed_model, is_precomputed, precomputed_results
 from .result import EncodeResult, ItemResult
-from .sharding import plan_shards
 from .shm import ShmReceiver, TransferStats
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
 
-_INVALID = grpc.StatusCode.INVALID_ARGUMENT
-_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
-_DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-def _callers_fault(error: ShardError) -> bool:
-    # gRPC itself answers an over-size request with RESOURCE_EXHAUSTED; that is not an overload.
-    return error.code == _INVALID or (error.code == _BUSY and "larger than max" in error.message)
-
-
 class EncoderReceiver:
     """Shards each request's image items across encoder servers and reassembles their embeddings.
 
-    When an encoder fails (unreachable, UNAVAILABLE, INTERNAL, RESOURCE_EXHAUSTED, a broken or
-    stalled stream), the items it did not finish are re-sharded onto the other encoders within the
-    request's deadline; finished items are kept, half-received ones start over. Failed encoders are
-    skipped by later requests until a health probe finds them SERVING again.
+    When an encoder fails (unreachable, UNAVAILABLE, INTERNAL, a broken or stalled stream), the
+    items it did not finish are re-sharded onto the other encoders within the request's deadline;
+    finished items are kept, half-received ones start over. Failed encoders are skipped by later
+    requests until a health probe finds them SERVING again. An overloaded encoder's items are
+    retried after a back-off without benching it; an invalid item, refused credentials
+    (UNAUTHENTICATED, PERMISSION_DENIED) or the deadline fail the request at once. The error class
+    of the status decides which (`encoder_common.errors.Failover`; see `placement.RequestPlacement`).
 
     Use it as an async context manager (or call `close()`); one channel per encoder URL is opened
     once and shared by every `encode` call, which may run concurrently.
@@ -67,6 +60,7 @@ class EncoderReceiver:
         refresh_s: float = DEFAULT_REFRESH_S,
         metrics: ReceiverMetrics | None = None,
         transfer: str = "auto",
+        hidden_size: int | None = None,
     ):
         """
         Args:
@@ -85,6 +79,9 @@ class EncoderReceiver:
             transfer: how payloads travel. "auto": through shared memory from encoders that prove
                 they share this host (started with --shm-transfer), the gRPC stream otherwise;
                 "shm": shared memory or SharedMemoryUnavailableError; "grpc": the stream only.
+            hidden_size: the served model's embedding width, which precomputed items are checked
+                against while this receiver has not fetched ModelInfo (a request of precomputed
+                items only never fetches it).
         """
         if not urls:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
@@ -92,6 +89,7 @@ class EncoderReceiver:
         self.timeout = timeout
         self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
         self.failover = failover or FailoverPolicy()
+        self.hidden_size = hidden_size
         self._rng = random.Random(seed)
         self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`; "auto" touches no file yet
         self._jitter = random.Random()
@@ -165,9 +163,11 @@ class EncoderReceiver:
         Each item is a dict with "modality" ("image") and one of "data" (encoded image bytes)
         or "url" (`file://` or `data:`), or it carries "precomputed_embedding" (a float tensor
         [num_tokens, hidden_size]; see `precomputed_result` for the optional keys), in which case
-        it is checked against `served_model()` and never sent. Only the other items are sharded,
-        so `num_items_assigned` counts those, and fixes the first placement's per-encoder counts
-        while every encoder is healthy.
+        it is never sent. A request that sends other items checks it against `served_model()`; a
+        request of precomputed items only makes no RPC at all and checks them against ModelInfo
+        already fetched, else the configured `hidden_size`, else what the tensors prove (see
+        `precomputed_results`). Only the other items are sharded, so `num_items_assigned` counts
+        those, and fixes the first placement's per-encoder counts while every encoder is healthy.
 
         Raises UnsupportedModalityError before any RPC if an item is not an image,
         InvalidItemError for an unreadable item or a bad precomputed one (before any Encode
@@ -192,12 +192,16 @@ class EncoderReceiver:
         return EncodeResult(request_id, [results[i] for i in range(len(items))])
 
     async def _precomputed_results(self, items: Sequence[Mapping[str, Any]]) -> dict[int, ItemResult]:
-        """Results of the items that carry their embedding, by index; ModelInfo is fetched only for them."""
+        """Results of the items that carry their embedding, by index.
+
+        ModelInfo is fetched for them only when the request talks to the encoders anyway: a request
+        of precomputed items alone must be served while every encoder is down.
+        """
         indices = [index for index, item in enumerate(items) if is_precomputed(item)]
         if not indices:
             return {}
-        info = await self.served_model()
-        return await asyncio.to_thread(lambda: {i: precomputed_result(items[i], i, info) for i in indices})
+        info = await self.served_model() if len(indices) < len(items) else self._served_model
+        return await asyncio.to_thread(precomputed_results, items, indices, info, self.hidden_size)
 
     def _read_sources(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> dict[int, ImageSource]:
         return {index: ImageSource(index, read_image_bytes(items[index], index, self.file_roots)) for index in indices}
@@ -212,100 +216,54 @@ class EncoderReceiver:
     ) -> None:
         """Places items on encoders, and re-places those of every failed shard, until all are in `results`.
 
-        Items an encoder refused as overloaded wait out a jittered back-off that doubles with each of
-        their attempts, on a timer, while the other shards go on; meanwhile that encoder is avoided
-        where another can take them. Encoders are looked up again (and `dns:` names re-resolved
-        when due) at each placement, so re-sharded items can land on pods that just appeared.
+        `RequestPlacement` decides what each failure means; this loop runs the calls it plans. Items an
+        encoder refused as overloaded wait out their back-off on a timer while the other shards go on.
+        Encoders are looked up again (and `dns:` names re-resolved when due) at each placement, so
+        re-sharded items can land on pods that just appeared.
         """
-        attempts: dict[int, list[ItemAttempt]] = {index: [] for index in sources}
-        excluded: set[str] = set()  # encoders that failed this request, by URL
-        busy_until: dict[str, float] = {}  # encoders that said they were overloaded, and until when to avoid them
+        placement = RequestPlacement(
+            request_id, sources, deadline, self.failover, num_items_assigned=num_items_assigned, jitter=self._jitter
+        )
         running: dict[asyncio.Task, EncoderEndpoint | None] = {}  # shard calls; back-off timers map to None
-        to_place = sorted(sources)
-        assigned = num_items_assigned
-        last_error: ShardError | None = None
 
-        def fail(code: grpc.StatusCode, reason: str, encoder_url: str = "") -> EncodeFailedError:
-            return EncodeFailedError(
-                request_id=request_id,
-                code=code,
-                reason=reason,
-                encoder_url=encoder_url,
-                attempts=attempts,
-                completed=set(results) & attempts.keys(),  # precomputed items were never sent
-            )
+        def arrived(result: ItemResult) -> None:
+            results[result.index] = result
+            placement.item_arrived(result)
 
         try:
             while True:
-                if to_place:
+                if placement.pending:
                     known = await self._endpoint_pool.endpoints()
-                    encoders = await self._health.usable(known, excluded, deadline)
-                    now = time.monotonic()
-                    idle = [e for e in encoders if busy_until.get(e.url, 0.0) <= now]
-                    encoders = idle or encoders
-                    if not encoders:
-                        if last_error is None:
-                            raise fail(grpc.StatusCode.UNAVAILABLE, "no encoder is healthy")
-                        raise fail(
-                            last_error.code or grpc.StatusCode.INTERNAL,
-                            "every encoder failed or is unhealthy",
-                            last_error.encoder_url,
-                        )
-                    if assigned is not None and len(encoders) != len(known):
-                        assigned = None  # the fixed counts name encoders that cannot take them now
-                    for shard in plan_shards(len(to_place), len(encoders), self._rng, assigned):
-                        encoder = encoders[shard.encoder]
-                        indices = [to_place[i] for i in shard.items]
-                        task = asyncio.create_task(
-                            self._run_shard(request_id, encoder, indices, sources, results, attempts, deadline)
-                        )
-                        running[task] = encoder
-                    to_place, assigned = [], None
+                    usable = await self._health.usable(known, placement.benched, deadline)
+                    for encoder, indices in placement.plan(usable, len(known), self._rng):
+                        shard = self._run_shard(request_id, encoder, indices, sources, arrived, placement)
+                        running[asyncio.create_task(shard)] = encoder
                 if not running:
                     return
-                done, _ = await asyncio.wait(
-                    running, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
+                finished, _ = await asyncio.wait(
+                    running, timeout=placement.time_left(), return_when=asyncio.FIRST_COMPLETED
                 )
-                if not done:
-                    raise fail(_DEADLINE, "the request's deadline passed")
-                for task in done:
+                if not finished:
+                    raise placement.deadline_passed()
+                for task in finished:
                     encoder = running.pop(task)
                     if encoder is None:  # a back-off timer: its items are due again
-                        to_place.extend(task.result())
+                        placement.due_again(task.result())
                         continue
                     error = task.result()
                     if error is None:
                         self._health.of(encoder).mark_healthy()
                         continue
-                    last_error = error
                     self._shard_failed(error)
-                    for index in error.item_indices:
-                        attempts[index].append(ItemAttempt(error.encoder_url, error.status, error.message))
-                    if _callers_fault(error):
-                        raise fail(_INVALID, "the request was refused as invalid", error.encoder_url)
-                    if error.code == _DEADLINE:
-                        raise fail(_DEADLINE, "the request's deadline passed", error.encoder_url)
-                    exhausted = [i for i in error.item_indices if len(attempts[i]) >= self.failover.max_attempts]
-                    if exhausted:
-                        raise fail(
-                            error.code or grpc.StatusCode.INTERNAL,
-                            f"items {exhausted} failed {self.failover.max_attempts} attempts",
-                            error.encoder_url,
-                        )
-                    if error.code == _BUSY:  # overloaded is not broken: not benched for other requests
-                        tries = max(len(attempts[i]) for i in error.item_indices)
-                        delay = self.failover.busy_backoff_s * 2 ** (tries - 1) * self._jitter.uniform(0.5, 1.5)
-                        delay = min(delay, max(0.0, deadline - time.monotonic()))
-                        busy_until[encoder.url] = time.monotonic() + delay
-                        self.metrics.retry(encoder.url, len(error.item_indices))
-                        running[asyncio.create_task(asyncio.sleep(delay, result=error.item_indices))] = None
-                        continue
-                    excluded.add(encoder.url)
-                    self._health.of(encoder).mark_failed(f"{error.status}: {error.message}")
-                    self.metrics.failover(encoder.url, len(error.item_indices))
-                    log.warning("request %s: %s; re-sharding its items", request_id, error)
-                    to_place.extend(error.item_indices)
-                to_place.sort()
+                    retry = placement.shard_failed(error)  # raises when the request cannot succeed
+                    if retry.failover is Failover.BACK_OFF:  # overloaded is not broken: not benched for others
+                        self.metrics.retry(encoder.url, len(retry.item_indices))
+                        timer = asyncio.sleep(retry.delay_s, result=retry.item_indices)
+                        running[asyncio.create_task(timer)] = None
+                    else:
+                        self._health.of(encoder).mark_failed(f"{error.status}: {error.message}")
+                        self.metrics.failover(encoder.url, len(retry.item_indices))
+                        log.warning("request %s: %s; re-sharding its items", request_id, error)
         finally:
             for task in running:
                 task.cancel()
@@ -322,9 +280,8 @@ class EncoderReceiver:
         endpoint: EncoderEndpoint,
         indices: list[int],
         sources: Mapping[int, ImageSource],
-        results: dict[int, ItemResult],
-        attempts: dict[int, list[ItemAttempt]],
-        deadline: float,
+        arrived: Callable[[ItemResult], None],
+        placement: RequestPlacement,
         offer_shm: bool = True,
     ) -> ShardError | None:
         """One Encode call for `indices` on one encoder; stores each item as its last byte arrives.
@@ -351,9 +308,9 @@ class EncoderReceiver:
         )
         read_shm = self._shm.reader(request_id) if shm_offer is not None else None
         assembler = ShardAssembler(indices, endpoint.url, read_shm)
-        remaining = deadline - time.monotonic()
+        remaining = placement.time_left()
         if remaining <= 0:
-            return shard_error(_DEADLINE, "the request's deadline passed before the call")
+            return shard_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before the call")
         call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
         watch = _StallWatch(self.failover)
         watchdog = asyncio.create_task(watch.run(endpoint, call))
@@ -362,8 +319,7 @@ class EncoderReceiver:
                 watch.last_message = time.monotonic()
                 done = assembler.feed(message)
                 if done is not None:
-                    results[done.index] = done
-                    attempts[done.index].append(ItemAttempt(endpoint.url, "OK"))
+                    arrived(done)
         except grpc.aio.AioRpcError as exc:
             if watch.stalled:
                 return shard_error(grpc.StatusCode.UNAVAILABLE, watch.reason)
@@ -379,11 +335,11 @@ class EncoderReceiver:
             watchdog.cancel()
         if assembler.refetch:  # their segments could not be read: the same items again, over the stream
             error = await self._run_shard(
-                request_id, endpoint, list(assembler.refetch), sources, results, attempts, deadline, offer_shm=False
+                request_id, endpoint, list(assembler.refetch), sources, arrived, placement, offer_shm=False
             )
             if error is not None:
                 return error
-        missing = [i for i in assembler.missing() if i not in results]
+        missing = [i for i in assembler.missing() if i not in placement.done]
         if missing:
             return ShardError(
                 encoder_url=endpoint.url,

@@ -13,6 +13,7 @@ from encoder_common.errors import (
     EncoderError,
     InvalidItemError,
     OverloadedError,
+    PermissionDeniedError,
     UnauthenticatedError,
     UnavailableError,
     UnsupportedModalityError,
@@ -43,8 +44,9 @@ class ShardError(EncoderError):
 
     @property
     def cause_class(self) -> type[EncoderError]:
-        """The error class the status stands for (OverloadedError for RESOURCE_EXHAUSTED, ...)."""
-        return error_class_for(self.code) if self.code is not None else EncoderError
+        """The error class the status stands for (OverloadedError for RESOURCE_EXHAUSTED, ...); its
+        `failover` says what the receiver does about it. A stream that broke the contract is an EncoderError."""
+        return error_class_for(self.code, self.message) if self.code is not None else EncoderError
 
     @property
     def status(self) -> str:
@@ -70,10 +72,10 @@ def _shorten(text: str, limit: int = 300) -> str:
 
 
 class EncodeFailedError(ShardError):
-    """A request failed: an item no encoder could serve, a bad item, or the deadline passed.
+    """A request failed: an item no encoder could serve, a bad item, refused credentials, or the deadline passed.
 
-    `code` is the status that decided it (INVALID_ARGUMENT, DEADLINE_EXCEEDED, or the last failure
-    of the item that ran out of encoders or attempts); `encoder_url` is the encoder of that failure,
+    `code` is the status that decided it (INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED,
+    DEADLINE_EXCEEDED, or the last failure of the item that ran out of encoders or attempts); `encoder_url` is the encoder of that failure,
     if any; `item_indices` lists the items not encoded; `attempts` maps every item to the calls it
     was part of, in order. Completed items' embeddings are discarded with the request.
     """
@@ -111,6 +113,7 @@ __all__ = [
     "ItemAttempt",
     "InvalidItemError",
     "OverloadedError",
+    "PermissionDeniedError",
     "ShardError",
     "UnauthenticatedError",
     "UnavailableError",

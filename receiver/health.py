@@ -4,6 +4,7 @@ grpc.health.v1 probe says SERVING again; and the failover settings that drive it
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -24,6 +25,12 @@ class FailoverPolicy:
     busy_backoff_s: float = 0.1
 
 
+def backoff_s(first_s: float, attempt: int, rng: random.Random, *, spread: float, cap_s: float = math.inf) -> float:
+    """How long to wait before try `attempt` + 1: `first_s` doubled per earlier attempt, capped at `cap_s`,
+    times a random factor in [1 - spread, 1 + spread] so that callers who failed together do not retry together."""
+    return min(cap_s, first_s * 2 ** (attempt - 1)) * rng.uniform(1 - spread, 1 + spread)
+
+
 class EncoderHealth:
     """One encoder's state. A failure benches it for a jittered, doubling back-off; after that a
     probe, not a request, finds out whether it is back."""
@@ -42,8 +49,9 @@ class EncoderHealth:
         self.failures += 1
         self.healthy = False
         self.last_error = reason
-        delay = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (self.failures - 1))
-        self.retry_at = time.monotonic() + delay * self._jitter.uniform(0.8, 1.2)
+        policy = self.policy
+        delay = backoff_s(policy.backoff_s, self.failures, self._jitter, spread=0.2, cap_s=policy.max_backoff_s)
+        self.retry_at = time.monotonic() + delay
 
     def mark_healthy(self) -> None:
         self.healthy = True

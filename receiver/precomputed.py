@@ -1,10 +1,10 @@
-"""Precomputed items: embeddings the caller already holds, checked against the served model and
-turned into results without reaching an encoder."""
+"""Precomputed items: embeddings the caller already holds, checked against what is known of the
+served model and turned into results without reaching an encoder."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,14 +40,61 @@ def agreed_model(infos: Mapping[str, pb.ModelInfo]) -> pb.ModelInfo:
     return info
 
 
+def precomputed_results(
+    items: Sequence[Mapping[str, Any]],
+    indices: Sequence[int],
+    info: pb.ModelInfo | None,
+    hidden_size: int | None = None,
+) -> dict[int, ItemResult]:
+    """The results of the items at `indices`, by index, checked without any network call.
+
+    Against the served model's ModelInfo when known (see `precomputed_result`); otherwise against
+    `hidden_size` when given, and always for what the tensors prove on their own: each one 2-D,
+    finite and non-empty, and all of the request's as wide as the first. Without ModelInfo an item
+    keeps its own dtype, and neither its weights fingerprint nor its grid's token count is checked.
+    """
+    if info is not None:
+        return {i: precomputed_result(items[i], i, info) for i in indices}
+    results: dict[int, ItemResult] = {}
+    for i in indices:
+        results[i] = _unserved_result(items[i], i, hidden_size)
+        hidden_size = results[i].hidden_size  # the first item's width binds the rest
+    return results
+
+
+def _unserved_result(item: Mapping[str, Any], index: int, hidden: int | None) -> ItemResult:
+    width = "hidden_size" if hidden is None else hidden
+    embedding = _served_tensor(
+        item[PRECOMPUTED_KEY], f"item {index}: '{PRECOMPUTED_KEY}'", (None, hidden), f"[num_tokens, {width}]", None
+    )
+    num_tokens, hidden = embedding.shape
+    deepstack = item.get(DEEPSTACK_KEY)
+    if deepstack is not None:
+        deepstack = _served_tensor(
+            deepstack,
+            f"item {index}: '{DEEPSTACK_KEY}'",
+            (None, num_tokens, hidden),
+            f"[num_deepstack_layers, {num_tokens}, {hidden}]",
+            None,
+        )
+    return ItemResult(
+        index=index,
+        embedding=embedding,
+        grid_thw=_checked_grid(item.get("grid_thw"), index, num_tokens, merge=0, extra_tokens=0),
+        encoder_url=None,
+        deepstack=deepstack,
+        precomputed=True,
+    )
+
+
 def precomputed_result(item: Mapping[str, Any], index: int, info: pb.ModelInfo) -> ItemResult:
     """The item's result from its own embedding, converted to the served dtype on the CPU.
 
     Raises InvalidItemError, naming the item and what was expected, unless the embedding is a
     finite, non-empty [num_tokens, hidden_size] float tensor. Optional keys are checked when
-    present: "grid_thw" (must account for num_tokens after the spatial merge),
-    "weights_fingerprint" (must be the served checkpoint's), and "precomputed_deepstack"
-    (required exactly when the served model emits deepstack layers).
+    present: "grid_thw" (must account for num_tokens after the spatial merge, plus the tokens
+    the family adds per item), "weights_fingerprint" (must be the served checkpoint's), and
+    "precomputed_deepstack" (required exactly when the served model emits deepstack layers).
     """
     dtype = wire.TORCH_DTYPES[info.dtype]
     hidden = info.hidden_size
@@ -87,7 +134,9 @@ def precomputed_result(item: Mapping[str, Any], index: int, info: pb.ModelInfo) 
     return ItemResult(
         index=index,
         embedding=embedding,
-        grid_thw=_checked_grid(item.get("grid_thw"), index, num_tokens, info.spatial_merge_size),
+        grid_thw=_checked_grid(
+            item.get("grid_thw"), index, num_tokens, info.spatial_merge_size, info.extra_tokens_per_item
+        ),
         encoder_url=None,
         deepstack=deepstack,
         precomputed=True,
@@ -95,8 +144,9 @@ def precomputed_result(item: Mapping[str, Any], index: int, info: pb.ModelInfo) 
 
 
 def _served_tensor(
-    value: Any, what: str, shape: tuple[int | None, ...], expected: str, dtype: torch.dtype
+    value: Any, what: str, shape: tuple[int | None, ...], expected: str, dtype: torch.dtype | None
 ) -> torch.Tensor:
+    """`value` on the CPU in `dtype` (None: its own), after checking it is a finite float tensor of `shape`."""
     if not isinstance(value, torch.Tensor):
         raise InvalidItemError(f"{what} must be a torch.Tensor {expected}, got {type(value).__name__}")
     if not value.is_floating_point():
@@ -110,20 +160,21 @@ def _served_tensor(
             f"{what} is empty (shape {list(value.shape)}); expected {expected} with num_tokens >= 1"
         )
     # Convert first: a finite float32 value can still overflow a float16 served dtype.
-    served = value.detach().to(device="cpu", dtype=dtype)
+    served = value.detach().to(device="cpu", dtype=dtype or value.dtype)
     # NaN and inf propagate through a sum (inf - inf is NaN), so a finite sum proves every value finite
     # at a fraction of isfinite().all()'s cost; only a non-finite sum (maybe an overflow) needs the count.
     if not bool(torch.isfinite(served.sum(dtype=torch.float32))):
         bad = int((~torch.isfinite(served)).sum())
         if bad:
-            overflow = "" if value.dtype == dtype else f", or out of the range of the served {dtype}"
+            overflow = "" if dtype in (None, value.dtype) else f", or out of the range of the served {dtype}"
             raise InvalidItemError(
                 f"{what} has {bad} non-finite values (NaN or inf{overflow}); expected finite values"
             )
     return served
 
 
-def _checked_grid(grid: Any, index: int, num_tokens: int, merge: int) -> tuple[int, ...]:
+def _checked_grid(grid: Any, index: int, num_tokens: int, merge: int, extra_tokens: int) -> tuple[int, ...]:
+    """The item's grid_thw; with a known spatial merge it must make `num_tokens`, counting `extra_tokens`."""
     if grid is None:
         return ()
     grid = tuple(int(x) for x in grid)
@@ -132,9 +183,10 @@ def _checked_grid(grid: Any, index: int, num_tokens: int, merge: int) -> tuple[i
             f"item {index}: grid_thw {list(grid)} must be three positive patch counts (t, h, w)"
         )
     # ItemHeader.grid_thw is the patch grid before the merge: each merge x merge block is one token.
-    if merge and math.prod(grid) != num_tokens * merge * merge:
+    if merge and math.prod(grid) / merge**2 + extra_tokens != num_tokens:
+        extra = f" plus {extra_tokens} per item" if extra_tokens else ""
         raise InvalidItemError(
-            f"item {index}: grid_thw {list(grid)} makes {math.prod(grid) / merge**2:g} tokens after the "
-            f"{merge}x{merge} merge, but the precomputed embedding has {num_tokens} rows"
+            f"item {index}: grid_thw {list(grid)} makes {math.prod(grid) / merge**2 + extra_tokens:g} tokens "
+            f"after the {merge}x{merge} merge{extra}, but the precomputed embedding has {num_tokens} rows"
         )
     return grid

@@ -26,7 +26,8 @@ class EncoderDouble(VisionEncoder):
     made once per width and reused like cache hits.
 
     Switches: `hold()` / `release()` a gate that forwards wait at (`release(forwards=n)` lets n more
-    through; `in_forward` is set while one waits or runs), `forward_s` makes each forward take that long, `fail_with` is raised by every forward,
+    through; `hold(from_width=w)` holds only images at least w wide; `in_forward` is set while one waits
+    or runs, `running` counts them), `forward_s` makes each forward take that long, `fail_with` is raised by every forward,
     `miscount_width` makes preprocessing announce one token too many for images of that width.
     Counts: `preprocessed`, `batches` (each forward's batch size), `items_forwarded`.
     """
@@ -54,6 +55,8 @@ class EncoderDouble(VisionEncoder):
         self.in_forward = threading.Event()
         self._gate = threading.Condition()
         self._passes: int | None = None  # forwards the gate lets through; None: open
+        self._hold_from: int | None = None  # only forwards of an image at least this wide wait
+        self.running = 0  # forwards waiting at the gate or computing
         self._lock = threading.Lock()
         self._outputs: dict[int, ImageEmbedding] = {}
         if inner is not None:
@@ -76,15 +79,22 @@ class EncoderDouble(VisionEncoder):
         spec = self.spec
         return (1 + spec.num_deepstack_layers) * int(self.tokens) * spec.hidden_size * spec.dtype.itemsize
 
-    def hold(self) -> None:
-        """Forwards from now on wait at the gate until `release`."""
+    def hold(self, from_width: int | None = None) -> None:
+        """Forwards from now on wait at the gate until `release`; given `from_width` (made-up outputs
+        only), just those of an image at least that wide, so which items pass is fixed by the items
+        themselves rather than by the order their forwards run in."""
+        if from_width is not None and self.inner is not None:
+            raise ValueError("hold(from_width=...) needs made-up outputs: a real tower's inputs are not widths")
         with self._gate:
             self._passes = 0
+            self._hold_from = from_width
 
     def release(self, forwards: int | None = None) -> None:
         """Opens the gate; or, given `forwards`, lets that many more forwards through it."""
         with self._gate:
             self._passes = None if forwards is None else (self._passes or 0) + forwards
+            if forwards is None:
+                self._hold_from = None
             self._gate.notify_all()
 
     def reset(self) -> None:
@@ -102,14 +112,18 @@ class EncoderDouble(VisionEncoder):
 
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
         self.in_forward.set()
+        with self._gate:
+            self.running += 1
         try:
             if self.fail_with is not None:
                 raise self.fail_with
+            exempt = self._hold_from is not None and max(int(p.pixel_values[0]) for p in batch) < self._hold_from
             with self._gate:
-                if not self._gate.wait_for(lambda: self._passes is None or self._passes > 0, GATE_TIMEOUT_S):
-                    raise TimeoutError("the test never released the gate")
-                if self._passes is not None:
-                    self._passes -= 1
+                if not exempt:
+                    if not self._gate.wait_for(lambda: self._passes is None or self._passes > 0, GATE_TIMEOUT_S):
+                        raise TimeoutError("the test never released the gate")
+                    if self._passes is not None:
+                        self._passes -= 1
             if self.forward_s:
                 time.sleep(self.forward_s)
             with self._lock:
@@ -119,6 +133,8 @@ class EncoderDouble(VisionEncoder):
             return [self.output(int(prepared.pixel_values[0])) for prepared in batch]
         finally:
             self.in_forward.clear()
+            with self._gate:
+                self.running -= 1
 
     def output(self, width: int) -> ImageEmbedding:
         """The made-up output of every image `width` pixels wide, for a fixed `tokens`."""

@@ -67,6 +67,16 @@ async def test_items_over_two_encoders_equal_get_image_features_fp32(case, check
         async with EncoderReceiver([a.url, b.url], seed=1) as rx:
             result = await rx.encode(case, [{"modality": "image", "data": d} for d in images])
             infos = await rx.model_info()
+            # What the service produced is accepted back as precomputed items, grid_thw and all, checked
+            # against ModelInfo (a request that also sends an item fetches it).
+            fingerprint = (await rx.served_model()).weights_fingerprint
+            back = [
+                {"precomputed_embedding": i.embedding, "precomputed_deepstack": i.deepstack, "grid_thw": i.grid_thw, "weights_fingerprint": fingerprint}
+                for i in result.items
+            ]  # fmt: skip
+            again = await rx.encode(f"{case}-back", [{"data": images[0]}, *back])
+    assert [item.grid_thw for item in again.items[1:]] == [item.grid_thw for item in result.items]
+    assert torch.equal(torch.cat([i.embedding for i in again.items[1:]]), result.embedding)
     assert {item.encoder_url for item in result.items} == {a.url, b.url}
     for item, features in zip(result.items, expected, strict=True):
         (embedding,) = features.pooler_output
@@ -95,6 +105,26 @@ async def test_items_over_two_encoders_equal_get_image_features_fp32(case, check
     if family == "qwen3_vl":
         biggest = result.items[-1]
         assert 3 * biggest.embedding.numel() * biggest.embedding.element_size() > CHUNK_BYTES
+
+
+async def test_precompute_files_of_a_llava_full_checkpoint_are_accepted_back(checkpoints, tmp_path):
+    """LLaVA's "full" strategy gives 17 tokens for a (1, 4, 4) grid: the files carry that grid."""
+    from encoder_server.precompute import InProcessBackend, precompute, precomputed_item
+
+    model_dir = checkpoints["llava-two-layers-full"]
+    images = [image_bytes(64, 64, seed=i) for i in range(2)]
+    for i, data in enumerate(images):
+        (tmp_path / f"{i}.png").write_bytes(data)
+    backend = InProcessBackend(str(model_dir), "cpu", torch.float32)
+    summary = await precompute(backend, sorted(tmp_path.glob("*.png")), tmp_path / "out", progress=False)
+    assert summary.encoded == 2 and not summary.failed
+    items = [precomputed_item(tmp_path / "out", data) for data in images]
+    assert [item["grid_thw"] for item in items] == [(1, 4, 4)] * 2
+    async with running_server(model_dir) as server, EncoderReceiver([server.url]) as rx:
+        result = await rx.encode("files", [{"data": images[0]}, *items])
+    assert [item.num_tokens for item in result.items] == [17, 17, 17]
+    assert all(item.precomputed for item in result.items[1:])
+    torch.testing.assert_close(result.items[1].embedding, result.items[0].embedding, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -100,7 +100,7 @@ async def raw_encode(url: str, request: pb.EncodeRequest) -> grpc.StatusCode:
 
 
 async def wait_for(predicate, what: str) -> None:
-    for _ in range(500):
+    for _ in range(3000):  # 30 s: far more than a loaded machine needs
         if predicate():
             return
         await asyncio.sleep(0.01)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -79,15 +81,48 @@ async def test_raw_precomputed_raw_precomputed_equals_all_raw_and_sends_only_raw
 async def test_all_precomputed_request_makes_no_rpc(servers, all_raw):
     items = [{"precomputed_embedding": item.embedding} for item in all_raw.items]
     async with EncoderReceiver([s.url for s in servers]) as rx:
-        first = await rx.encode("first", items)  # fetches ModelInfo, sends nothing
-        assert sent_indices(servers) == [] and [len(s.rpc_log.calls) for s in servers] == [1, 1]
-        for server in servers:
-            server.rpc_log.calls.clear()
+        first = await rx.encode("first", items)  # ModelInfo not fetched: not even GetModelInfo
         second = await rx.encode("second", items)
     assert [s.rpc_log.calls for s in servers] == [[], []]
     for result in (first, second):
         assert all(item.precomputed for item in result.items)
         assert torch.equal(result.embedding, all_raw.embedding)
+
+
+def unreachable_url() -> str:
+    """A loopback port nobody listens on (bound by the OS, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"grpc://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_precomputed_only_requests_are_served_while_every_encoder_is_down(all_raw):
+    rows = [item.embedding for item in all_raw.items]
+    async with EncoderReceiver([unreachable_url(), unreachable_url()], timeout=5.0) as rx:
+        result = await rx.encode("down", [{"precomputed_embedding": r, "grid_thw": (1, 4, 4)} for r in rows])
+        assert torch.equal(result.embedding, all_raw.embedding)
+        assert result.items[0].grid_thw == (1, 4, 4)  # no ModelInfo: only its shape is checked
+        bf16 = await rx.encode("bf16", [{"precomputed_embedding": rows[0].to(torch.bfloat16)}])
+        assert bf16.items[0].embedding.dtype == torch.bfloat16  # no served dtype known: kept as given
+        # Without ModelInfo, what the tensors prove: each 2-D, finite, non-empty, all as wide as the first.
+        refused = {
+            r"item 1: 'precomputed_embedding' has shape \[4, 1024\]; expected \[num_tokens, 2048\]": [rows[0], torch.zeros(4, 1024)],
+            r"item 0: 'precomputed_embedding' has shape \[1, 4, 2048\]": [torch.zeros(1, 4, 2048)],
+            r"item 0: 'precomputed_embedding' has 1 non-finite values": [torch.zeros(4, 8).index_fill_(1, torch.tensor([3]), float("nan"))[:1]],
+            r"item 0: 'precomputed_embedding' is empty": [torch.zeros(0, 2048)],
+            r"item 0: 'precomputed_deepstack' has shape \[2, 3, 2048\]; expected \[num_deepstack_layers, 4, 2048\]": [
+                {"precomputed_embedding": rows[0], "precomputed_deepstack": torch.zeros(2, 3, 2048)}
+            ],
+        }
+        for message, tensors in refused.items():
+            items = [t if isinstance(t, dict) else {"precomputed_embedding": t} for t in tensors]
+            with pytest.raises(InvalidItemError, match=message):
+                await rx.encode("bad", items)
+    # A hidden size the caller configured is checked from the first item on.
+    async with EncoderReceiver([unreachable_url()], hidden_size=1024) as rx:
+        with pytest.raises(InvalidItemError, match=r"item 0: .* has shape \[4, 2048\]; expected \[num_tokens, 1024\]"):
+            await rx.encode("configured", [{"precomputed_embedding": rows[0]}])
+        assert (await rx.encode("fits", [{"precomputed_embedding": torch.ones(3, 1024)}])).items[0].hidden_size == 1024
 
 
 BAD = {
@@ -158,6 +193,7 @@ async def test_image_only_rule_covers_precomputed_items_before_any_network_call(
 async def test_precomputed_items_take_the_served_dtype(servers, all_raw):
     rows = all_raw.items[0].embedding
     async with EncoderReceiver([s.url for s in servers]) as rx:
+        await rx.served_model()  # known from now on, so precomputed-only requests use it too
         result = await rx.encode("bf16", [{"precomputed_embedding": rows.to(torch.bfloat16)}])
     assert result.items[0].embedding.dtype == torch.float32
     assert torch.equal(result.items[0].embedding, rows.to(torch.bfloat16).float())
@@ -170,7 +206,9 @@ async def test_encoders_serving_different_dtypes_refuse_precomputed_items(
         urls = [servers[0].url, bf16.url]
         async with EncoderReceiver(urls) as rx:
             with pytest.raises(EncoderError, match="encoders disagree on what they serve") as raised:
-                await rx.encode("mixed-dtypes", [{"precomputed_embedding": all_raw.items[0].embedding}])
+                await rx.encode(
+                    "mixed-dtypes", [{"data": IMAGES[0]}, {"precomputed_embedding": all_raw.items[0].embedding}]
+                )
     assert f"{servers[0].url}: hidden 2048 FLOAT32" in str(raised.value)
     assert f"{bf16.url}: hidden 2048 BFLOAT16" in str(raised.value)
 

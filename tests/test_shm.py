@@ -37,6 +37,8 @@ from testkit.servers import running_server
 NUM_TOKENS = 600
 ITEM_BYTES = 2 * NUM_TOKENS * 2048 * 2
 NOBODY = 65534
+# Long enough for an unheld forward's item to arrive on a loaded machine; what must miss it is held.
+DEADLINE_S = 8.0
 
 
 def fixed_encoder(**kwargs) -> EncoderDouble:
@@ -56,7 +58,7 @@ def segments_of(instance: str) -> list[str]:
     return [name for name in files_of(instance) if ".seg." in name]
 
 
-async def wait_until(predicate, timeout: float = 10.0) -> bool:
+async def wait_until(predicate, timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -94,14 +96,20 @@ async def shm_server(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-async def gated_server(default_model_dir):
-    """One item per forward, behind the double's gate: a test lets the first item through and holds
-    the rest, so the call is still running when the test cuts it off."""
-    gated = fixed_encoder()
+async def slow_server(default_model_dir):
+    """One item per forward, each waiting for the test's leave: calls are still running when a test
+    cuts them off, however slow the machine."""
+    held = fixed_encoder()
     batching = BatchingConfig(max_batch_images=1)
-    async with running_server(default_model_dir, encoder=gated, shm=ShmConfig(), batching=batching) as server:
-        server.double = gated  # type: ignore[attr-defined]
+    async with running_server(default_model_dir, encoder=held, shm=ShmConfig(), batching=batching) as server:
+        server.forwards = held
         yield server
+
+
+async def settle(server) -> None:
+    """Lets every held forward finish and waits until the server has nothing queued or running."""
+    server.forwards.release()
+    assert await wait_until(lambda: server._batcher.queue_depth == 0 and server.forwards.running == 0)
 
 
 @pytest.fixture(scope="module")
@@ -288,33 +296,31 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
         shm.close()
 
 
-async def test_segments_are_taken_back_when_the_client_cancels(gated_server):
+async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
     shm = ShmReceiver(strict=True)
-    endpoint = EncoderEndpoint.connect(gated_server.url)
-    gated_server.double.hold()
-    gated_server.double.release(forwards=1)
+    endpoint = EncoderEndpoint.connect(slow_server.url)
+    slow_server.forwards.hold(from_width=9)  # item 0 (8 pixels wide) passes, items 1 and 2 are held
     try:
-        call = endpoint.encode(offer_request("cancel", shm, 3), timeout=30)
-        first = await call.read()  # the next item waits at the gate
+        call = endpoint.encode(offer_request("cancel", shm, 3), timeout=60)
+        first = await call.read()  # the next item is held in its forward
         assert first.shm.segment in os.listdir(shm_dir())
-        before = gated_server.shm.stats.reclaimed_cancel
+        before = slow_server.shm.stats.reclaimed_cancel
         call.cancel()
-        assert await wait_until(lambda: segments_of(gated_server.shm.instance) == [])
-        assert gated_server.shm.stats.reclaimed_cancel - before >= 1 and gated_server.shm.outstanding() == []
+        assert await wait_until(lambda: segments_of(slow_server.shm.instance) == [])
+        assert slow_server.shm.stats.reclaimed_cancel - before >= 1 and slow_server.shm.outstanding() == []
     finally:
-        gated_server.double.release()
+        await settle(slow_server)
         await endpoint.close()
         shm.close()
 
 
-async def test_segments_are_taken_back_when_the_deadline_passes(gated_server):
-    server = gated_server
+async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
+    server = slow_server
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(server.url)
-    server.double.hold()
-    server.double.release(forwards=1)  # the first item, and then nothing until the deadline has passed
+    server.forwards.hold(from_width=9)  # item 0 (8 pixels wide) comes at once, item 1 is held past the deadline
     try:
-        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=3.0)
+        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=DEADLINE_S)
         first = await call.read()
         assert first.shm.segment in os.listdir(shm_dir())
         before = server.shm.stats.reclaimed_cancel
@@ -324,16 +330,19 @@ async def test_segments_are_taken_back_when_the_deadline_passes(gated_server):
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert await wait_until(lambda: segments_of(server.shm.instance) == [])
         assert server.shm.stats.reclaimed_cancel - before >= 1
-        async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
-            server.double.release(forwards=2)  # the first call's item left at the gate, and one more
-            with pytest.raises(ShardError) as raised:
-                await rx.encode("deadline", items(4), timeout=3.0)
-        assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
     finally:
-        server.double.release()
+        await settle(server)
         await endpoint.close()
         shm.close()
+    server.forwards.hold(from_width=9)
+    try:
+        async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
+            with pytest.raises(ShardError) as raised:
+                await rx.encode("deadline", items(4), timeout=DEADLINE_S)
+    finally:
+        await settle(server)
+    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
 
 
 RECEIVER_SCRIPT = """
@@ -369,11 +378,14 @@ asyncio.run(main(sys.argv[1]))
 
 
 async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(default_model_dir):
-    config = ShmConfig(release_timeout_s=1.0)
-    slow = fixed_encoder(forward_s=0.2)
+    # Long enough that the cut call's segment is still outstanding when the kill lands on a loaded machine.
+    config = ShmConfig(release_timeout_s=5.0)
+    held = fixed_encoder()
     async with running_server(
-        default_model_dir, encoder=slow, shm=config, batching=BatchingConfig(max_batch_images=1)
+        default_model_dir, encoder=held, shm=config, batching=BatchingConfig(max_batch_images=1)
     ) as server:
+        server.forwards = held
+        held.hold(from_width=9)  # both calls' item 0 (8 pixels wide) pass: the cut call is mid-stream
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-c", RECEIVER_SCRIPT, server.url, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
         )
@@ -392,9 +404,10 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
             if child.returncode is None:
                 child.kill()
                 await child.wait()
-        # The cut call's segment goes at once, the whole call's after 1 s, the probe at the next sweep.
+        await settle(server)
+        # The cut call's segment goes at once, the whole call's after 5 s, the probe at the next sweep.
         gone = lambda: not set([*segments, probe]) & set(os.listdir(shm_dir()))  # noqa: E731
-        assert await wait_until(gone, timeout=15)
+        assert await wait_until(gone)
         stats = server.shm.stats
         assert stats.reclaimed_timeout >= 1 and stats.reclaimed_cancel >= 1
         assert server.shm.outstanding() == []

@@ -26,6 +26,8 @@ class ModelSpec:
     weights_fingerprint: str
     # Every image-processor setting that changes the output, canonicalized: part of cache keys.
     preprocess_fingerprint: str
+    # Tokens per item beyond grid_thw's merged patches (LLaVA's "full" strategy keeps the CLS token).
+    extra_tokens_per_item: int = 0
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ class LlavaVisionEncoder(VisionEncoder):
                 },
             ),
             preprocess_fingerprint=processor_fingerprint(self.processor),
+            extra_tokens_per_item=self.extra_tokens,
         )
 
     def preprocess(self, image: Image.Image) -> PreparedImage:
