@@ -23,12 +23,16 @@ class EncoderError(Exception):
     """Base of every error the encode path raises on purpose."""
 
     failover = Failover.REPLACE
+    # The server metrics' `outcome` label of a call failing with it: what an operator alerts on
+    # without listing status codes.
+    outcome = "error"
 
 
 class InvalidItemError(EncoderError, ValueError):
     """An item (or the request carrying it) is malformed: the caller's fault, never retried."""
 
     failover = Failover.TERMINAL
+    outcome = "invalid"
 
 
 class UnsupportedModalityError(InvalidItemError, NotImplementedError):
@@ -47,28 +51,34 @@ class OverloadedError(EncoderError):
     """The server's queue is full; the call was refused at once."""
 
     failover = Failover.BACK_OFF
+    outcome = "overloaded"
 
 
 class UnavailableError(EncoderError):
     """The server is not serving (starting, draining or shutting down)."""
+
+    outcome = "overloaded"
 
 
 class UnauthenticatedError(EncoderError):
     """The call carried no valid credentials: the caller's configuration, the same on every encoder."""
 
     failover = Failover.TERMINAL
+    outcome = "invalid"
 
 
 class PermissionDeniedError(EncoderError):
     """The caller's credentials do not allow the call."""
 
     failover = Failover.TERMINAL
+    outcome = "invalid"
 
 
 class DeadlineExceededError(EncoderError, TimeoutError):
     """The call's deadline passed before its items were encoded."""
 
     failover = Failover.TERMINAL
+    outcome = "cancelled"
 
 
 class SharedMemoryUnavailableError(EncoderError):
@@ -130,3 +140,12 @@ def error_class_for(code: grpc.StatusCode, details: str = "") -> type[EncoderErr
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE in details:
         return InvalidItemError
     return _ERROR_BY_STATUS.get(code, EncoderError)
+
+
+def outcome_for(code: grpc.StatusCode) -> str:
+    """The `outcome` label of a call that ended with `code`: that of the code's error class."""
+    if code == grpc.StatusCode.OK:
+        return "ok"
+    if code == grpc.StatusCode.CANCELLED:  # the caller went away: no error of the encode path
+        return "cancelled"
+    return error_class_for(code).outcome

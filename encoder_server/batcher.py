@@ -15,22 +15,31 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from encoder_common.env_flags import flag
 from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
 
-from .models import ImageEmbedding, PreparedImage, VisionEncoder
+if TYPE_CHECKING:  # the model stack is not imported for BatchingConfig (the CLI's --help builds on it)
+    from .models import ImageEmbedding, PreparedImage, VisionEncoder
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
 class BatchingConfig:
-    max_batch_images: int = 32
-    max_batch_patches: int = 65536
-    max_wait_ms: float = 0.0
-    max_queue_items: int = 256
-    max_queue_patches: int = 1 << 20
+    max_batch_images: int = field(default=32, metadata=flag("images per forward at most"))
+    max_batch_patches: int = field(default=65536, metadata=flag("patches per forward at most"))
+    max_wait_ms: float = field(
+        default=0.0, metadata=flag("wait this long for more work before a forward", name="--batch-wait-ms")
+    )
+    max_queue_items: int = field(
+        default=256, metadata=flag("queued items beyond which calls get RESOURCE_EXHAUSTED")
+    )
+    max_queue_patches: int = field(
+        default=1 << 20, metadata=flag("queued patches beyond which calls get RESOURCE_EXHAUSTED")
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_batch_images", "max_batch_patches", "max_queue_items", "max_queue_patches"):

@@ -58,7 +58,9 @@ class EmbeddingCache:
 
     def stats(self) -> CacheStats:
         """What the metrics endpoint reports, read at each scrape."""
-        return CacheStats(hits=self.hits, misses=self.misses, bytes_held=self.bytes, entries=len(self._entries))
+        return CacheStats(
+            hits=self.hits, misses=self.misses, bytes_held=self.bytes, entries=len(self._entries), evictions=self.evictions
+        )
 
     def key(self, content_sha256: bytes) -> bytes:
         """The cache key of an image whose bytes hash to `content_sha256`."""

@@ -1,10 +1,14 @@
-"""The server's settings, built whole by the CLI (or a test) and handed to the server."""
+"""The server's settings, built whole by the CLI (or a test) and handed to the server. Each field's
+metadata says how it shows on the command line, so its default is written here only."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from encoder_common.env_flags import Flag, flag, section
+from protos import encoder_pb2 as pb
 
 from .batcher import BatchingConfig
 from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
@@ -13,34 +17,77 @@ from .sources import SourcePolicy
 from .streams import StreamLimits
 from .tls import TlsConfig
 
+if TYPE_CHECKING:  # torch is imported once a config is built, not to build the parser (--help stays fast)
+    import torch
+
+# The dtypes an embedding can be served in, by name: those the wire carries.
+DTYPE_CHOICES = tuple(name.lower() for name, number in pb.DType.items() if number)
+
 DEFAULT_CACHE_BYTES = 1 << 30
 
 
-def default_device() -> str:
-    """The GPU when there is one, else the CPU; asked when a config is made, never at import."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def port_or_off(value: str) -> int | None:
+    """A port number, or 'off' (None)."""
+    if value.strip().lower() in ("off", "none", ""):
+        return None
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number")
+    return port
+
+
+def dtype_flag(help: str) -> dict:
+    """The metadata of a dtype setting, given on the command line by name."""
+    return flag(help, choices=DTYPE_CHOICES)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    model: str
-    host: str = "0.0.0.0"
-    port: int = 50051
-    device: str = field(default_factory=default_device)
-    dtype: torch.dtype = torch.bfloat16
-    batching: BatchingConfig = field(default_factory=BatchingConfig)
-    preprocess_workers: int = 4
-    max_items_per_request: int = 64
-    max_request_bytes: int = 256 << 20
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    cache_bytes: int = DEFAULT_CACHE_BYTES  # embedding cache size; 0 turns the cache off
-    grace_seconds: float = 30.0
-    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: not served
-    warmup: bool = True
-    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO
-    sources: SourcePolicy = field(default_factory=SourcePolicy)
-    tls: TlsConfig | None = None
-    auth_token_file: str | None = None  # one token per line; None: no authentication
-    auth_protect_health: bool = False  # also require the token on grpc.health.v1 probes
-    shm: ShmConfig | None = None  # the same-host shared-memory path (--shm-transfer); None: off
-    streams: StreamLimits = field(default_factory=StreamLimits)  # payload bytes held for streams in progress
+    model: str = field(metadata=flag("checkpoint directory (Hugging Face layout)"))
+    host: str = field(default="0.0.0.0", metadata=flag("address to listen on ('::' for all IPv6)"))
+    port: int = field(default=50051, metadata=flag("port to listen on (0: any free port)"))
+    device: str | None = field(default=None, metadata=flag("cuda when present, else cpu", choices=("cuda", "cpu")))
+    dtype: torch.dtype | str = field(default="bfloat16", metadata=dtype_flag("served dtype"))  # a name becomes its torch.dtype
+    batching: BatchingConfig = field(default_factory=BatchingConfig, metadata=section())
+    preprocess_workers: int = field(default=4, metadata=flag("threads decoding and preprocessing images"))
+    max_items_per_request: int = field(default=64, metadata=flag("items one Encode call may carry"))
+    max_request_bytes: int = field(default=256 << 20, metadata=flag("largest Encode request accepted"))
+    max_image_pixels: int = field(
+        default=DEFAULT_MAX_IMAGE_PIXELS, metadata=flag("refuse larger images before decoding")
+    )
+    max_aspect_ratio: float = field(
+        default=DEFAULT_MAX_ASPECT_RATIO, metadata=flag("refuse images thinner than 1:N before decoding")
+    )
+    sources: SourcePolicy = field(default_factory=SourcePolicy, metadata=section())
+    tls: TlsConfig | None = field(default=None, metadata=section(settings=TlsConfig, prefix="tls-"))
+    auth_token_file: str | None = field(  # None: no authentication
+        default=None, metadata=flag("file of bearer tokens, one per line: calls must carry one")
+    )
+    auth_protect_health: bool = field(default=False, metadata=flag("require the token on health probes too"))
+    cache_bytes: int = field(default=DEFAULT_CACHE_BYTES, metadata=flag("embedding cache size in bytes (0: no cache)"))
+    # Payload bytes held for Encode streams in progress, beside the cache's own budget.
+    streams: StreamLimits = field(default_factory=StreamLimits, metadata=section(prefix="stream-"))
+    grace_seconds: float = field(default=30.0, metadata=flag("drain time for running calls on SIGTERM"))
+    metrics_port: int | None = field(  # Prometheus /metrics over HTTP; None: not served
+        default=None,
+        metadata=flag(
+            "HTTP port of Prometheus /metrics ('off': none, 0: any free port)",
+            type=port_or_off,
+            shown=lambda port: "off" if port is None else str(port),
+        ),
+    )
+    warmup: bool = field(default=True, metadata=flag("skip the warm-up forward before SERVING"))
+    shm: ShmConfig | None = field(  # the same-host shared-memory path; None: off
+        default=None,
+        metadata=section(
+            settings=ShmConfig,
+            prefix="shm-",
+            switch=Flag(help="hand payloads to receivers on this host through /dev/shm", name="--shm-transfer"),
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            from protos.wire import DTYPE_NAMES
+
+            object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])

@@ -1,14 +1,15 @@
 """Prometheus metrics of one encoder server, served over HTTP on `--metrics-port`, and the per-call
-accounting (`RequestRecord`) that feeds them and writes each Encode call's one log line."""
+accounting (`RequestRecord`) that the servicer's item events feed and that writes each Encode
+call's one log line."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -17,23 +18,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from protos import encoder_pb2 as pb
-from protos import wire
-from encoder_common.errors import status_for
+from encoder_common.errors import outcome_for, status_for
 
-from .models import ImageEmbedding, PreparedImage, VisionEncoder
+from .models.base import ImageEmbedding, PreparedImage, VisionEncoder
+
+if TYPE_CHECKING:
+    from .shm import ShmSegments
 
 log = logging.getLogger(__name__)
-
-# Status code -> the `outcome` label: what an operator alerts on without listing codes.
-OUTCOMES: dict[grpc.StatusCode, str] = {
-    grpc.StatusCode.OK: "ok",
-    grpc.StatusCode.INVALID_ARGUMENT: "invalid",
-    grpc.StatusCode.UNAUTHENTICATED: "invalid",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
-    grpc.StatusCode.UNAVAILABLE: "overloaded",
-    grpc.StatusCode.CANCELLED: "cancelled",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "cancelled",
-}
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_ITEMS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -47,6 +39,7 @@ class CacheStats:
     misses: int
     bytes_held: int
     entries: int
+    evictions: int = 0
 
 
 class ServerMetrics:
@@ -56,6 +49,8 @@ class ServerMetrics:
     - `watch_queue(fn)`: fn() -> items waiting for a forward, read at each scrape.
     - `watch_cache(fn)`: fn() -> CacheStats, read at each scrape; until it is called the cache
       metrics are absent (a server without a cache does not claim 0 hits).
+    - `watch_shm(segments)`: the shared-memory pool whose counts are read at each scrape; absent
+      likewise until it is called.
     """
 
     def __init__(self) -> None:
@@ -68,7 +63,9 @@ class ServerMetrics:
             "encoder_items", "Items of finished Encode calls, by outcome and gRPC status code", ["outcome", "code"], registry=r
         )
         self.tokens = Counter("encoder_tokens", "Embedding rows sent", registry=r)
-        self.bytes_sent = Counter("encoder_response_bytes", "Bytes of Encode responses sent (headers and payload)", registry=r)
+        self.bytes_sent = Counter(
+            "encoder_response_bytes", "Bytes of Encode responses of the items sent whole (headers and payload)", registry=r
+        )
         self.in_flight = Gauge("encoder_requests_in_flight", "Encode calls being served", registry=r)
         self.queue_depth = Gauge("encoder_queue_items", "Items waiting for a forward", registry=r)
         self.batch_items = Histogram("encoder_batch_items", "Images per forward", buckets=_BATCH_ITEMS, registry=r)
@@ -81,7 +78,9 @@ class ServerMetrics:
             registry=r,
         )
         self._cache_stats: Callable[[], CacheStats] | None = None
+        self._shm: ShmSegments | None = None
         r.register(_CacheCollector(self))
+        r.register(_ShmCollector(self))
         self._http: WSGIServer | None = None
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
@@ -89,6 +88,9 @@ class ServerMetrics:
 
     def watch_cache(self, stats: Callable[[], CacheStats]) -> None:
         self._cache_stats = stats
+
+    def watch_shm(self, segments: ShmSegments) -> None:
+        self._shm = segments
 
     def record(self, request_id: str, num_items: int, context: grpc.aio.ServicerContext | None = None) -> RequestRecord:
         return RequestRecord(self, request_id, num_items, context)
@@ -117,6 +119,49 @@ class _CacheCollector(Collector):
         yield CounterMetricFamily("encoder_cache_misses", "Items the embedding cache did not hold", value=stats.misses)
         yield GaugeMetricFamily("encoder_cache_bytes", "Bytes of embeddings the cache holds", value=stats.bytes_held)
         yield GaugeMetricFamily("encoder_cache_entries", "Items the cache holds", value=stats.entries)
+        yield CounterMetricFamily(
+            "encoder_cache_evictions", "Items dropped from the cache to make room", value=stats.evictions
+        )
+
+
+class _ShmCollector(Collector):
+    """The shared-memory pool's counts, read at each scrape (plain reads: the scrape runs on another thread)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator:
+        segments = self.metrics._shm
+        if segments is None:
+            return
+        stats = segments.stats
+        yield CounterMetricFamily(
+            "encoder_shm_items", "Items whose payload was handed over in a shared-memory segment", value=stats.items
+        )
+        yield CounterMetricFamily("encoder_shm_bytes", "Payload bytes written into shared-memory segments", value=stats.bytes)
+        yield CounterMetricFamily(
+            "encoder_shm_segments_released", "Announced segments their receiver released", value=stats.released
+        )
+        reclaimed = CounterMetricFamily(
+            "encoder_shm_segments_reclaimed",
+            "Announced segments the server took back: after the release timeout, or when the call ended early",
+            labels=["reason"],
+        )
+        reclaimed.add_metric(["timeout"], stats.reclaimed_timeout)
+        reclaimed.add_metric(["cancel"], stats.reclaimed_cancel)
+        yield reclaimed
+        fallbacks = CounterMetricFamily(
+            "encoder_shm_fallbacks", "Items offered shared memory that went as chunks, by reason", labels=["reason"]
+        )
+        for reason, count in sorted(dict(stats.fallbacks).items()):
+            fallbacks.add_metric([reason], count)
+        yield fallbacks
+        pool = segments.pool()
+        yield GaugeMetricFamily("encoder_shm_pool_segments", "Shared-memory segments held, announced or warm", value=pool.segments)
+        yield GaugeMetricFamily("encoder_shm_pool_bytes", "Bytes of shared-memory segments held", value=pool.bytes)
+        yield GaugeMetricFamily(
+            "encoder_shm_pool_peak_bytes", "Most bytes of shared-memory segments held at once", value=stats.peak_bytes
+        )
 
 
 class MeteredEncoder(VisionEncoder):
@@ -139,25 +184,8 @@ class MeteredEncoder(VisionEncoder):
             self.metrics.batch_items.observe(len(batch))
 
 
-def recorded(encode: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
-    """Wraps the servicer's Encode: accounts every message it sends in a RequestRecord.
-
-    Goes inside the error mapping, so the record sees the domain error a call failed with.
-    """
-
-    @functools.wraps(encode)
-    async def wrapper(self, request, context):
-        with self.metrics.record(request.request_id, len(request.items), context) as record:
-            async for message in encode(self, request, context):
-                started = time.perf_counter()
-                yield message
-                record.sent(message, started)
-
-    return wrapper
-
-
 class RequestRecord:
-    """One Encode call's accounting, read off the messages it sends (item headers carry the timings).
+    """One Encode call's accounting, fed by the servicer's events: `item_sent` once per item streamed.
 
     On exit it counts the call and its items by outcome (items not fully sent take the call's
     status) and logs the call's one line: request id, status, items, tokens, bytes and timings.
@@ -176,31 +204,14 @@ class RequestRecord:
         self.items_sent = 0
         self.tokens = 0
         self.bytes = 0
-        self._item: pb.ItemHeader | None = None
-        self._item_started = 0.0
-        self._item_filled = 0
 
     def __enter__(self) -> RequestRecord:
         self.metrics.in_flight.inc()
         return self
 
-    def sent(self, message: pb.EncodeResponse | bytes, started: float) -> None:
-        """Accounts one message the call sent; `started` is when it was handed to gRPC."""
-        if isinstance(message, bytes):
-            self.bytes += len(message)
-            part = wire.parse_response(message)
-        else:
-            self.bytes += message.ByteSize()
-            part = message.header if message.HasField("header") else memoryview(message.chunk)
-        if isinstance(part, pb.ItemHeader):
-            self._item, self._item_started, self._item_filled = part, started, 0
-        else:
-            self._item_filled += len(part)
-        if self._item is not None and self._item_filled == self._item.payload_bytes:
-            self._item_done(self._item, time.perf_counter() - self._item_started)
-            self._item = None
-
-    def _item_done(self, header: pb.ItemHeader, stream_s: float) -> None:
+    def item_sent(self, header: pb.ItemHeader, *, response_bytes: int, stream_s: float) -> None:
+        """An item went out whole: its header (tokens, and timings unless a cache hit), the bytes of
+        its response messages and the seconds from handing its header to gRPC to its last message."""
         timing = header.timing
         queue_s, preprocess_s, forward_s = timing.queue_ms / 1000, timing.preprocess_ms / 1000, timing.forward_ms / 1000
         stages = self.metrics.item_seconds
@@ -215,13 +226,14 @@ class RequestRecord:
         self.stream_s += stream_s
         self.items_sent += 1
         self.tokens += header.num_tokens
+        self.bytes += response_bytes
 
     def __exit__(self, exc_type, exc, tb) -> None:
         code = self._status(exc)
         m = self.metrics
         m.in_flight.dec()
         m.bytes_sent.inc(self.bytes)
-        outcome = OUTCOMES.get(code, "error")
+        outcome = outcome_for(code)
         m.requests.labels(outcome, code.name).inc()
         if self.items_sent:
             m.items.labels("ok", "OK").inc(self.items_sent)

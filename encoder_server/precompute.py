@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,15 @@ from tqdm import tqdm
 
 from protos import encoder_pb2 as pb
 from protos import wire
-from encoder_common.env_flags import EnvDefaultsParser
+from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args, flag
 from encoder_common.errors import EncoderError, InvalidItemError
 
 from receiver.client import EncoderReceiver
 from receiver.errors import ShardError
 from receiver.precomputed import DEEPSTACK_KEY, PRECOMPUTED_KEY
 from receiver.result import ItemResult
+
+from .config import dtype_flag
 
 FORMAT = "encoder-precompute/1"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -181,7 +183,7 @@ class ServerBackend:
 class InProcessBackend:
     """Encodes with the vision tower loaded in this process (needs transformers)."""
 
-    def __init__(self, model_dir: str, device: str, dtype: torch.dtype):
+    def __init__(self, model_dir: str, device: str | None, dtype: torch.dtype):
         from encoder_server.models import load_vision_encoder
 
         self.encoder = load_vision_encoder(model_dir, device, dtype)
@@ -241,16 +243,31 @@ class Summary:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class PrecomputeSettings:
+    """Where a run's embeddings come from and go; the command's flags are built from these fields."""
+
+    out: Path = field(metadata=flag("output directory (one model per directory)", type=Path))
+    encoder_url: str | None = field(
+        default=None, metadata=flag("running encoder servers, comma-separated grpc://host:port (or --model)")
+    )
+    model: str | None = field(
+        default=None, metadata=flag("checkpoint directory to load in-process instead (needs transformers)")
+    )
+    device: str | None = field(default=None, metadata=flag("with --model: cuda when present, else cpu"))
+    dtype: str = field(default="bfloat16", metadata=dtype_flag("with --model: served dtype"))
+    batch_size: int = field(default=8, metadata=flag("images per Encode request or forward"))
+    concurrency: int = field(default=4, metadata=flag("requests in flight (servers only)"))
+    timeout: float = field(default=600.0, metadata=flag("deadline of one request, seconds"))
+    progress: bool = field(default=True, metadata=flag("no progress bar"))
+
+
 async def precompute(
-    backend: ServerBackend | InProcessBackend,
-    files: Sequence[Path],
-    out_dir: Path,
-    *,
-    batch_size: int = 8,
-    concurrency: int = 1,
-    progress: bool = True,
+    backend: ServerBackend | InProcessBackend, files: Sequence[Path], settings: PrecomputeSettings
 ) -> Summary:
-    """Encodes every file whose output is missing; existing outputs must carry the backend's stamp."""
+    """Encodes every file whose output is missing into `settings.out`; existing outputs must carry
+    the backend's stamp."""
+    out_dir, batch_size = settings.out, settings.batch_size
     summary = Summary()
     by_key: dict[str, Path] = {}
     for path in files:
@@ -285,7 +302,7 @@ async def precompute(
 
     batches = iter(enumerate(pending[i : i + batch_size] for i in range(0, len(pending), batch_size)))
     bar = tqdm(
-        total=len(by_key), initial=summary.skipped, unit="img", desc="precompute", disable=not progress
+        total=len(by_key), initial=summary.skipped, unit="img", desc="precompute", disable=not settings.progress
     )
 
     async def worker() -> None:
@@ -302,7 +319,7 @@ async def precompute(
                     summary.encoded += 1
             bar.update(len(keys))
 
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
+    workers = [asyncio.create_task(worker()) for _ in range(max(1, settings.concurrency))]
     try:
         await asyncio.gather(*workers)
     finally:
@@ -327,42 +344,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "paths", nargs="+", help="image files and folders (searched recursively); @FILE reads paths from FILE"
     )
-    p.add_argument("--out", required=True, type=Path, help="output directory (one model per directory)")
-    p.add_argument("--encoder-url", default=None, help="running encoder servers, comma-separated grpc://host:port (or --model)")
-    p.add_argument("--model", default=None, help="checkpoint directory to load in-process instead (needs transformers)")
-    p.add_argument("--device", default=None, help="with --model: cuda when present, else cpu")
-    p.add_argument(
-        "--dtype", choices=sorted(wire.DTYPE_NAMES), default="bfloat16", help="with --model: served dtype"
-    )
-    p.add_argument("--batch-size", type=int, default=8, help="images per Encode request or forward")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (servers only)")
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline of one request, seconds")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_config_flags(p, PrecomputeSettings)
     return p
 
 
-async def _run(args: argparse.Namespace) -> Summary:
-    files = collect_images(args.paths)
-    if args.model:
-        from .config import default_device
-
-        device = args.device or default_device()
+async def _run(paths: Sequence[str], settings: PrecomputeSettings) -> Summary:
+    files = collect_images(paths)
+    if settings.model:
         backend: ServerBackend | InProcessBackend = await asyncio.to_thread(
-            InProcessBackend, args.model, device, wire.DTYPE_NAMES[args.dtype]
+            InProcessBackend, settings.model, settings.device, wire.DTYPE_NAMES[settings.dtype]
         )
-        concurrency = 1  # one forward at a time
+        settings = replace(settings, concurrency=1)  # one forward at a time
     else:
-        backend = ServerBackend([url.strip() for url in args.encoder_url.split(",") if url.strip()], args.timeout)
-        concurrency = args.concurrency
+        urls = [url.strip() for url in settings.encoder_url.split(",") if url.strip()]
+        backend = ServerBackend(urls, settings.timeout)
     try:
-        return await precompute(
-            backend,
-            files,
-            args.out,
-            batch_size=args.batch_size,
-            concurrency=concurrency,
-            progress=not args.no_progress,
-        )
+        return await precompute(backend, files, settings)
     finally:
         await backend.close()
 
@@ -373,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.encoder_url is None) == (args.model is None):
         parser.error("give exactly one of --encoder-url and --model")
     try:
-        summary = asyncio.run(_run(args))
+        summary = asyncio.run(_run(args.paths, config_from_args(PrecomputeSettings, args)))
     except (EncoderError, FileNotFoundError) as exc:
         print(f"encoder-precompute: error: {exc}", file=sys.stderr)
         return 2

@@ -20,11 +20,12 @@ from .auth import BearerTokenInterceptor, read_token_file
 from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace
 from .config import ServerConfig
-from .models.loading import has_random_weights
 from .interceptors import DrainGate
 from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
-from .servicer import EncoderServicer, method_handlers
+from .models.loading import has_random_weights
+from .pipeline import ItemPipeline
+from .servicer import EncoderServicer, method_handlers, model_info
 from .shm import ShmSegments
 from .streams import StreamBudget
 
@@ -60,28 +61,42 @@ class EncoderServer:
         return _join_host_port(self.config.host, self.port)
 
     async def start(self) -> int:
-        config = self.config
-        loop = asyncio.get_running_loop()
-        # SERVING only once the model is loaded, a warm-up forward passed and the port is bound.
+        """Life cycle: NOT_SERVING until the model is loaded, a warm-up forward passed and the port is
+        bound; then SERVING. Returns the bound port."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        interceptors: list[grpc.aio.ServerInterceptor] = []
-        if config.auth_token_file:
-            interceptors.append(
-                BearerTokenInterceptor(read_token_file(config.auth_token_file), protect_health=config.auth_protect_health)
-            )
-        interceptors.append(self.gate)
+        interceptors = self._interceptors()  # reads the token file: a bad one fails before the model loads
+        random_weights = await self._load_model()
+        await self._start_forward_worker()
+        if self.config.shm is not None:
+            self.shm = ShmSegments(self.config.shm)
+            await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
+        self.streams.start()
+        self._server = self._build_grpc_server(interceptors, model_info(self.encoder.spec, self.config, random_weights))
+        await self._server.start()
+        self._serve_metrics()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._log_ready()
+        return self.port
+
+    async def _load_model(self) -> bool:
+        """Loads the vision tower unless one was handed over; returns whether its weights are random."""
+        config = self.config
         if self.encoder is None:
-            self.encoder = await loop.run_in_executor(
+            self.encoder = await asyncio.get_running_loop().run_in_executor(
                 None, load_vision_encoder, config.model, config.device, config.dtype
             )
         random_weights = has_random_weights(config.model)
         if random_weights:
             log.warning("%s has random weights: its embeddings are meaningless test outputs", config.model)
-        self._pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
-        self._batcher = Batcher(MeteredEncoder(self.encoder, self.metrics), config.batching)
+        return random_weights
+
+    async def _start_forward_worker(self) -> None:
+        """Starts the batcher's thread, runs the warm-up forward and watches the thread from then on."""
+        loop = asyncio.get_running_loop()
+        self._batcher = Batcher(MeteredEncoder(self.encoder, self.metrics), self.config.batching)
         self.metrics.watch_queue(lambda: self._batcher.queue_depth)
         self._batcher.start()
-        if config.warmup:
+        if self.config.warmup:
             try:
                 await loop.run_in_executor(None, self._warmup)
             except BaseException:
@@ -90,48 +105,52 @@ class EncoderServer:
                 raise
         threading.Thread(target=self._watch_forward_worker, args=(loop,), name="forward-watch", daemon=True).start()
 
-        self._server = grpc.aio.server(
+    def _build_grpc_server(self, interceptors: list[grpc.aio.ServerInterceptor], info: pb.ModelInfo) -> grpc.aio.Server:
+        """Wiring: the pipeline and servicer behind the interceptors, health, reflection, the bound port."""
+        config = self.config
+        self._pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
+        if config.cache_bytes:
+            self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec))
+            self.metrics.watch_cache(self.cache.stats)
+        if self.shm is not None:
+            self.metrics.watch_shm(self.shm)
+        pipeline = ItemPipeline(self.encoder, self._batcher, self._pool, config, self.cache)
+        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.shm, self.streams)
+        server = grpc.aio.server(
             interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", config.max_request_bytes + REQUEST_SIZE_MARGIN),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        if config.shm is not None:
-            self.shm = ShmSegments(config.shm)
-            await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
-        if config.cache_bytes:
-            self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec))
-            self.metrics.watch_cache(self.cache.stats)
-        self.streams.start()
-        servicer = EncoderServicer(
-            self.encoder,
-            self._batcher,
-            self._pool,
-            config,
-            random_weights,
-            metrics=self.metrics,
-            shm=self.shm,
-            cache=self.cache,
-            streams=self.streams,
-        )
-        self._server.add_generic_rpc_handlers([method_handlers(servicer)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        server.add_generic_rpc_handlers([method_handlers(servicer)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server,
+            server,
         )
         bind = f"{_bind_host(config.host)}:{config.port}"
         if config.tls is not None:
-            self.port = self._server.add_secure_port(bind, config.tls.server_credentials())
+            self.port = server.add_secure_port(bind, config.tls.server_credentials())
         else:
-            self.port = self._server.add_insecure_port(bind)
-        await self._server.start()
-        if config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
-            log.info("metrics on http://%s/metrics", _join_host_port(config.host, self.metrics_port))
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        spec = self.encoder.spec
+            self.port = server.add_insecure_port(bind)
+        return server
+
+    def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """The bearer-token check (when configured) first, then the drain gate."""
+        config = self.config
+        if not config.auth_token_file:
+            return [self.gate]
+        tokens = read_token_file(config.auth_token_file)
+        return [BearerTokenInterceptor(tokens, protect_health=config.auth_protect_health), self.gate]
+
+    def _serve_metrics(self) -> None:
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            log.info("metrics on http://%s/metrics", _join_host_port(self.config.host, self.metrics_port))
+
+    def _log_ready(self) -> None:
+        config, spec = self.config, self.encoder.spec
         log.info(
             "encoder server ready on %s: %s (%s, hidden %d, %s on %s; %s%s)",
             self.address,
@@ -143,7 +162,6 @@ class EncoderServer:
             "plaintext" if config.tls is None else ("mTLS" if config.tls.mutual else "TLS"),
             ", bearer token" if config.auth_token_file else "",
         )
-        return self.port
 
     def _warmup(self) -> None:
         """One real forward before SERVING, so the first caller does not pay for lazy initialization."""

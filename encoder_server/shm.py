@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from encoder_common.env_flags import flag
 from protos import encoder_pb2 as pb
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos.shm import (
@@ -48,13 +49,17 @@ _GRANULE = 2 << 20
 
 @dataclass(frozen=True, kw_only=True)
 class ShmConfig:
-    # Bytes of segments held at most, announced or kept warm for reuse; beyond, items go as chunks.
-    max_bytes: int = 512 << 20
+    # Bytes of segments held at most, announced or kept warm for reuse.
+    max_bytes: int = field(
+        default=512 << 20, metadata=flag("shared-memory segments held at most; beyond, items go as chunks")
+    )
     # Smaller payloads go as chunks: a segment's syscalls on both sides cost more than one message.
     min_bytes: int = 64 << 10
     # An announced segment its receiver has not released by then leaves the pool (the receiver died,
     # or keeps the item's tensor that long: its memory stays with the receiver's tensor then).
-    release_timeout_s: float = 30.0
+    release_timeout_s: float = field(
+        default=30.0, metadata=flag("take back a segment its receiver has not released by then")
+    )
     # A warm segment unused this long is given back to the OS.
     keep_free_s: float = 60.0
     # Where segments live; receivers must see the same directory (default: $ENCODER_SHM_DIR or /dev/shm).
@@ -72,6 +77,12 @@ class ShmStats:
     reclaimed_cancel: int = 0  # taken back when the call was cancelled, failed or ran out of time
     peak_bytes: int = 0  # most bytes of segments held at once
     fallbacks: Counter[str] = field(default_factory=Counter)  # reason -> items sent as chunks instead
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    segments: int  # held: announced or kept warm
+    bytes: int
 
 
 class _Segment:
@@ -137,6 +148,11 @@ class ShmSegments:
     @property
     def pool_bytes(self) -> int:
         return sum(s.capacity for s in self._segments)
+
+    def pool(self) -> PoolSize:
+        """The segments held and their bytes; a plain read, so the metrics thread may call it."""
+        segments = list(self._segments)
+        return PoolSize(segments=len(segments), bytes=sum(s.capacity for s in segments))
 
     def outstanding(self) -> list[str]:
         """Names of the segments announced and not yet released or taken back."""

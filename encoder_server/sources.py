@@ -13,21 +13,27 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from protos import encoder_pb2 as pb
 from encoder_common.data_uri import decode_data_uri
+from encoder_common.env_flags import flag
 from encoder_common.errors import InvalidItemError
 from encoder_common.file_url import read_file_url
 
 
 @dataclass(frozen=True, kw_only=True)
 class SourcePolicy:
-    file_root: str | None = None  # directory file:// URLs may read from; None refuses file:// URLs
-    allow_http: bool = False  # fetch http:// and https:// URLs
-    max_fetch_bytes: int = 32 << 20  # largest file or download accepted for one item
-    fetch_timeout_s: float = 10.0  # whole download of one http(s) item
+    file_root: str | None = field(  # None refuses file:// URLs
+        default=None,
+        metadata=flag("directory file:// item URLs may read from (default: file:// refused)", name="--allow-file-root"),
+    )
+    allow_http: bool = field(
+        default=False, metadata=flag("fetch http(s):// item URLs (off: server-side request forgery)")
+    )
+    max_fetch_bytes: int = field(default=32 << 20, metadata=flag("largest file:// or http(s) item accepted"))
+    fetch_timeout_s: float = field(default=10.0, metadata=flag("time limit of one http(s) item download"))
 
 
 def item_bytes(item: pb.ImageItem, policy: SourcePolicy) -> bytes:

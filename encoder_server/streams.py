@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from encoder_common.env_flags import flag
 from encoder_common.errors import OverloadedError
 from protos import wire
 
@@ -40,10 +41,16 @@ RESIDUE_BYTES = 2 * wire.CHUNK_BYTES
 
 @dataclass(frozen=True, kw_only=True)
 class StreamLimits:
-    # Payload bytes held for streams in progress at most; past it new work gets RESOURCE_EXHAUSTED.
-    max_bytes: int = 1 << 30
-    # A stream whose next message has waited this long for its receiver to read is cancelled.
-    stall_timeout_s: float = 30.0
+    max_bytes: int = field(
+        default=1 << 30,
+        metadata=flag(
+            "payload bytes held for streams in progress at most; beyond, calls get RESOURCE_EXHAUSTED",
+            name="--stream-buffer-bytes",
+        ),
+    )
+    stall_timeout_s: float = field(
+        default=30.0, metadata=flag("cancel a stream whose receiver has not taken its next message for this long")
+    )
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from encoder_common.env_flags import flag
+
 
 @dataclass(frozen=True, kw_only=True)
 class TlsConfig:
-    cert_file: str  # PEM certificate chain, leaf first
-    key_file: str  # PEM private key of the leaf
-    client_ca_file: str | None = None  # PEM CA bundle: when set, clients must present a certificate it signed
+    cert_file: str = field(  # leaf first
+        metadata=flag("PEM certificate chain: serve TLS (with --tls-key-file)")
+    )
+    key_file: str = field(metadata=flag("PEM private key of --tls-cert-file"))
+    client_ca_file: str | None = field(
+        default=None, metadata=flag("PEM CA: require client certificates it signed (mTLS)")
+    )
 
     @property
     def mutual(self) -> bool:

@@ -11,8 +11,15 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
+from encoder_common.env_flags import config_from_args
 from encoder_server import cli
+from encoder_server.batcher import BatchingConfig
+from encoder_server.config import ServerConfig, port_or_off
+from encoder_server.shm import ShmConfig
+from encoder_server.sources import SourcePolicy
+from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli
 from encoder_server import precompute
 from testkit import REPO_ROOT
@@ -79,7 +86,7 @@ def sample_value(action: argparse.Action) -> tuple[str, object]:
         return "7", 7
     if action.type is float:
         return "2.5", 2.5
-    if action.type is cli.port_or_off:
+    if action.type is port_or_off:
         return "9100", 9100
     if action.type is Path:
         return "/from-env", Path("/from-env")
@@ -111,6 +118,39 @@ def test_every_flag_reads_its_environment_variable(command, monkeypatch):
             assert parsed[action.dest] == defaults[action.dest], action.option_strings
 
 
+def clear_env(monkeypatch, command: str) -> None:
+    _, build, prefix, _ = COMMANDS[command]
+    for action in options(build()):
+        monkeypatch.delenv(env_name(prefix, action), raising=False)
+
+
+def test_the_server_flags_build_its_config_with_the_configs_own_defaults(monkeypatch):
+    clear_env(monkeypatch, "encoder-server")
+    assert config_from_args(ServerConfig, cli.build_parser().parse_args(["--model", "m"])) == ServerConfig(model="m")
+    flags = ["--model", "m", "--batch-wait-ms", "2", "--allow-file-root", "/srv", "--no-warmup", "--dtype", "float32"]
+    flags += ["--tls-cert-file", "c.pem", "--tls-key-file", "k.pem", "--shm-transfer", "--shm-max-bytes", "1024"]
+    monkeypatch.setenv("ENCODER_METRICS_PORT", "9100")
+    assert config_from_args(ServerConfig, cli.build_parser().parse_args(flags)) == ServerConfig(
+        model="m",
+        batching=BatchingConfig(max_wait_ms=2.0),
+        sources=SourcePolicy(file_root="/srv"),
+        warmup=False,
+        dtype=torch.float32,
+        tls=TlsConfig(cert_file="c.pem", key_file="k.pem"),
+        shm=ShmConfig(max_bytes=1024),
+        metrics_port=9100,
+    )
+
+
+def test_the_precompute_flags_build_its_settings_with_their_own_defaults(monkeypatch):
+    clear_env(monkeypatch, "encoder-precompute")
+    args = precompute.build_parser().parse_args(["images/", "--out", "/cache"])
+    assert config_from_args(precompute.PrecomputeSettings, args) == precompute.PrecomputeSettings(out=Path("/cache"))
+    args = precompute.build_parser().parse_args(["images/", "--out", "/cache", "--no-progress", "--dtype", "float16"])
+    settings = config_from_args(precompute.PrecomputeSettings, args)
+    assert settings.progress is False and settings.dtype == "float16" and settings.batch_size == 8
+
+
 def test_boolean_env_values(monkeypatch):
     for raw, expected in [("1", True), ("yes", True), ("TRUE", True), ("0", False), ("false", False)]:
         monkeypatch.setenv("ENCODER_NO_WARMUP", raw)
@@ -126,10 +166,10 @@ def test_model_may_come_from_the_environment_only(monkeypatch):
 
 
 def test_metrics_port_accepts_off_and_ports_only():
-    assert cli.port_or_off("off") is None and cli.port_or_off("0") == 0 and cli.port_or_off("9000") == 9000
+    assert port_or_off("off") is None and port_or_off("0") == 0 and port_or_off("9000") == 9000
     for bad in ("70000", "-1", "http"):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
-            cli.port_or_off(bad)
+            port_or_off(bad)
 
 
 def test_console_scripts_point_at_the_commands():

@@ -109,14 +109,15 @@ async def test_items_over_two_encoders_equal_get_image_features_fp32(case, check
 
 async def test_precompute_files_of_a_llava_full_checkpoint_are_accepted_back(checkpoints, tmp_path):
     """LLaVA's "full" strategy gives 17 tokens for a (1, 4, 4) grid: the files carry that grid."""
-    from encoder_server.precompute import InProcessBackend, precompute, precomputed_item
+    from encoder_server.precompute import InProcessBackend, PrecomputeSettings, precompute, precomputed_item
 
     model_dir = checkpoints["llava-two-layers-full"]
     images = [image_bytes(64, 64, seed=i) for i in range(2)]
     for i, data in enumerate(images):
         (tmp_path / f"{i}.png").write_bytes(data)
     backend = InProcessBackend(str(model_dir), "cpu", torch.float32)
-    summary = await precompute(backend, sorted(tmp_path.glob("*.png")), tmp_path / "out", progress=False)
+    settings = PrecomputeSettings(out=tmp_path / "out", progress=False)
+    summary = await precompute(backend, sorted(tmp_path.glob("*.png")), settings)
     assert summary.encoded == 2 and not summary.failed
     items = [precomputed_item(tmp_path / "out", data) for data in images]
     assert [item["grid_thw"] for item in items] == [(1, 4, 4)] * 2

@@ -15,9 +15,11 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from encoder_common.errors import STATUS_BY_ERROR, outcome_for
 from encoder_server.batcher import BatchingConfig
 from encoder_server.metrics import CacheStats
 from encoder_server.models import load_vision_encoder
+from encoder_server.shm import ShmConfig
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver, ShardError
 from testkit.images import image_bytes
@@ -124,13 +126,18 @@ async def test_queue_depth_in_flight_and_a_deadline_while_the_forward_is_busy(de
             encoder.release()
             assert len((await call).items) == 3
         await wait_for(
-            lambda: value(scrape(server.metrics_port), "encoder_requests_total", outcome="cancelled", code="DEADLINE_EXCEEDED") == 1,
-            "the expired call to be counted",
+            lambda: cancelled(scrape(server.metrics_port), "encoder_requests_total") == 1, "the expired call to be counted"
         )
         samples = scrape(server.metrics_port)
     assert value(samples, "encoder_queue_items") == 0 and value(samples, "encoder_requests_in_flight") == 0
-    assert value(samples, "encoder_items_total", outcome="cancelled", code="DEADLINE_EXCEEDED") == 1
+    assert cancelled(samples, "encoder_items_total") == 1
     assert value(samples, "encoder_batch_items_count") == 3 and value(samples, "encoder_batch_items_bucket", le="1.0") == 3
+
+
+def cancelled(samples, name: str) -> float:
+    """Cancelled calls (or items) under either code: the receiver's own deadline and gRPC's expire at
+    the same moment, and which one ends the call on the server (CANCELLED or DEADLINE_EXCEEDED) is a race."""
+    return sum(value(samples, name, outcome="cancelled", code=code) for code in ("CANCELLED", "DEADLINE_EXCEEDED"))
 
 
 async def test_cache_hook_is_read_at_each_scrape(default_model_dir):
@@ -138,10 +145,11 @@ async def test_cache_hook_is_read_at_each_scrape(default_model_dir):
     async with running_server(default_model_dir, metrics_port=0, warmup=False) as server:
         server.metrics.watch_cache(lambda: stats)
         first = scrape(server.metrics_port)
-        stats = CacheStats(hits=3, misses=5, bytes_held=1 << 20, entries=2)
+        stats = CacheStats(hits=3, misses=5, bytes_held=1 << 20, entries=2, evictions=4)
         second = scrape(server.metrics_port)
     assert value(first, "encoder_cache_hits_total") == 0 and ("encoder_cache_bytes", ()) in first
     assert value(second, "encoder_cache_hits_total") == 3 and value(second, "encoder_cache_misses_total") == 5
+    assert value(second, "encoder_cache_evictions_total") == 4
     assert value(second, "encoder_cache_bytes") == 1 << 20 and value(second, "encoder_cache_entries") == 2
 
 
@@ -156,6 +164,54 @@ async def test_the_servers_own_cache_is_reported(default_model_dir):
     assert value(samples, "encoder_cache_misses_total") == 1 and value(samples, "encoder_cache_hits_total") == 1
     assert value(samples, "encoder_cache_entries") == 1
     assert value(samples, "encoder_cache_bytes") >= first.items[0].embedding.numel() * 4
+
+
+async def test_cache_evictions_are_exported(default_model_dir):
+    # 28x28 images make items of ~32 KiB with this model: the cache holds one of them at a time.
+    pngs = [image_bytes(28, 28, seed=20 + i) for i in range(3)]
+    async with running_server(default_model_dir, metrics_port=0, warmup=False, cache_bytes=48 << 10) as server:
+        async with EncoderReceiver([server.url]) as rx:
+            results = [await rx.encode(f"evict-{i}", [{"data": png}]) for i, png in enumerate(pngs)]
+        samples = scrape(server.metrics_port)
+    item_bytes = results[0].items[0].embedding.numel() * results[0].items[0].embedding.element_size()
+    assert 24 << 10 < item_bytes < 48 << 10, item_bytes  # what the cache size above assumes
+    assert value(samples, "encoder_cache_misses_total") == 3 and value(samples, "encoder_cache_hits_total") == 0
+    assert value(samples, "encoder_cache_evictions_total") == 2 and value(samples, "encoder_cache_entries") == 1
+
+
+async def test_shared_memory_stats_are_exported(default_model_dir):
+    # 28x28: ~32 KiB, under the 64 KiB floor of a segment (goes as chunks); the others go through segments.
+    images = [{"data": image_bytes(w, h, seed=w)} for w, h in [(28, 28), (640, 480), (700, 700)]]
+    async with running_server(default_model_dir, metrics_port=0, warmup=False, cache_bytes=0, shm=ShmConfig()) as server:
+        at_rest = scrape(server.metrics_port)
+        async with EncoderReceiver([server.url], transfer="shm") as rx:
+            result = await rx.encode("shm-metrics", images)
+        assert server.shm.outstanding() == []  # the receiver released both segments; the server saw it
+        samples = scrape(server.metrics_port)
+    sizes = [item.embedding.numel() * item.embedding.element_size() for item in result.items]
+    assert value(at_rest, "encoder_shm_items_total") == 0 and value(at_rest, "encoder_shm_pool_segments") == 0
+    assert value(samples, "encoder_shm_items_total") == 2
+    assert value(samples, "encoder_shm_bytes_total") == sum(sizes[1:])
+    assert value(samples, "encoder_shm_fallbacks_total", reason="small_item") == 1
+    assert value(samples, "encoder_shm_segments_released_total") == 2
+    assert value(samples, "encoder_shm_segments_reclaimed_total", reason="timeout") == 0
+    assert value(samples, "encoder_shm_segments_reclaimed_total", reason="cancel") == 0
+    assert 1 <= value(samples, "encoder_shm_pool_segments") <= 2
+    assert value(samples, "encoder_shm_pool_peak_bytes") >= value(samples, "encoder_shm_pool_bytes") >= sizes[2]
+    # Items in segments send only their header over gRPC: the response bytes are the chunked item's and 3 headers.
+    assert sizes[0] < value(samples, "encoder_response_bytes_total") < sizes[0] + 600
+    assert value(samples, "encoder_items_total", outcome="ok", code="OK") == 3
+
+
+def test_the_outcome_label_follows_the_error_table():
+    # One table: the outcome of a status code is that of the error class the code stands for.
+    for error_class, code in STATUS_BY_ERROR.items():
+        assert outcome_for(code) == error_class.outcome, error_class
+    assert outcome_for(grpc.StatusCode.OK) == "ok" and outcome_for(grpc.StatusCode.CANCELLED) == "cancelled"
+    assert outcome_for(grpc.StatusCode.UNAUTHENTICATED) == "invalid"
+    assert outcome_for(grpc.StatusCode.UNAVAILABLE) == outcome_for(grpc.StatusCode.RESOURCE_EXHAUSTED) == "overloaded"
+    assert outcome_for(grpc.StatusCode.DEADLINE_EXCEEDED) == "cancelled"
+    assert outcome_for(grpc.StatusCode.DATA_LOSS) == outcome_for(grpc.StatusCode.INTERNAL) == "error"
 
 
 LOG_LINE = re.compile(

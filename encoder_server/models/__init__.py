@@ -23,8 +23,11 @@ FAMILIES: dict[str, str] = {
 }
 
 
-def load_vision_encoder(model_dir: str | Path, device: str | torch.device, dtype: torch.dtype) -> VisionEncoder:
-    """Loads the vision tower of the checkpoint in `model_dir`, and nothing of its language model."""
+def load_vision_encoder(model_dir: str | Path, device: str | torch.device | None, dtype: torch.dtype) -> VisionEncoder:
+    """Loads the vision tower of the checkpoint in `model_dir`, and nothing of its language model,
+    on `device` (None: cuda when present, else cpu)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise CheckpointError(f"{model_dir} has no config.json: not a Hugging Face checkpoint directory")
