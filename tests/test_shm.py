@@ -10,7 +10,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -31,7 +30,7 @@ from testkit import REPO_ROOT
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.launcher import launch_server
-from testkit.servers import running_server
+from testkit.servers import running_server, wait_until
 
 # 600 tokens x 2048 bf16, plus one deepstack layer: 4.9 MB, over gRPC's 4 MiB message limit.
 NUM_TOKENS = 600
@@ -56,15 +55,6 @@ def files_of(instance: str) -> list[str]:
 
 def segments_of(instance: str) -> list[str]:
     return [name for name in files_of(instance) if ".seg." in name]
-
-
-async def wait_until(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 def assert_same_bytes(got, want) -> None:

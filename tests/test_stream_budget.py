@@ -7,7 +7,6 @@ import asyncio
 import collections
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -20,7 +19,7 @@ from receiver import EncoderReceiver
 from testkit import REPO_ROOT
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
-from testkit.servers import running_server
+from testkit.servers import running_server, wait_until
 
 NUM_TOKENS = 1792  # x 2048 bf16: a 7 MiB item
 ITEM_BYTES = NUM_TOKENS * 2048 * 2
@@ -28,15 +27,6 @@ MiB = 1 << 20
 # A client that never reads: without BDP probing its HTTP/2 window stays at 64 KiB, so gRPC cannot
 # take a 7 MiB payload off the server into the client's own buffers either.
 NEVER_READS = [("grpc.http2.bdp_probe", 0)]
-
-
-async def wait_until(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.1)
-    return True
 
 
 def encode_request(request_id: str, width: int = 8) -> pb.EncodeRequest:
