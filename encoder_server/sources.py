@@ -8,11 +8,6 @@ off by default.
 from __future__ import annotations
 
 import hashlib
-import http.client
-import socket
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +16,7 @@ from encoder_common.data_uri import decode_data_uri
 from encoder_common.env_flags import flag
 from encoder_common.errors import InvalidItemError
 from encoder_common.file_url import read_file_url
+from encoder_common.http_fetch import fetch_http
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,50 +57,8 @@ def _url_bytes(url: str, policy: SourcePolicy) -> bytes:
     if scheme in ("http", "https"):
         if not policy.allow_http:
             raise InvalidItemError(f"{scheme}:// URLs are disabled on this server; send the bytes instead")
-        return fetch_http(url, max_bytes=policy.max_fetch_bytes, timeout_s=policy.fetch_timeout_s)
+        return fetch_http(
+            url, max_bytes=policy.max_fetch_bytes, timeout_s=policy.fetch_timeout_s, user_agent="encoder-server"
+        )
     raise InvalidItemError(f"unsupported URL scheme {scheme or '(none)'!r}")
 
-
-# http(s) only: no file:, ftp: or data: handler that a redirect could reach, and no proxy from the
-# environment.
-_OPENER = urllib.request.OpenerDirector()
-for _handler in (
-    urllib.request.HTTPHandler(),
-    urllib.request.HTTPSHandler(),
-    urllib.request.HTTPRedirectHandler(),
-    urllib.request.HTTPDefaultErrorHandler(),
-    urllib.request.HTTPErrorProcessor(),
-):
-    _OPENER.add_handler(_handler)
-
-
-def fetch_http(url: str, *, max_bytes: int, timeout_s: float) -> bytes:
-    """Downloads `url`, refusing bodies over `max_bytes` and downloads that take over `timeout_s`."""
-    shown = url if len(url) <= 200 else url[:200] + "..."
-    deadline = time.monotonic() + timeout_s
-    try:
-        with _OPENER.open(urllib.request.Request(url, headers={"User-Agent": "encoder-server"}), timeout=timeout_s) as response:
-            length = response.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise InvalidItemError(f"{shown} is {length} bytes, over the limit of {max_bytes}")
-            parts, received = [], 0
-            while received <= max_bytes:
-                if time.monotonic() > deadline:
-                    raise InvalidItemError(f"fetching {shown} took over {timeout_s:g} s")
-                part = response.read(min(1 << 16, max_bytes + 1 - received))
-                if not part:
-                    break
-                parts.append(part)
-                received += len(part)
-            if received > max_bytes:
-                raise InvalidItemError(f"{shown} is over the limit of {max_bytes} bytes")
-            return b"".join(parts)
-    except InvalidItemError:
-        raise
-    except urllib.error.HTTPError as exc:
-        raise InvalidItemError(f"fetching {shown} failed: HTTP {exc.code}") from None
-    except (socket.timeout, TimeoutError):
-        raise InvalidItemError(f"fetching {shown} took over {timeout_s:g} s") from None
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", None) or exc.__class__.__name__
-        raise InvalidItemError(f"fetching {shown} failed: {reason}") from None

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The test command: installs what the tests need into .venv, then runs the suite.
-# Extra arguments go to pytest (e.g. scripts/test.sh -k sharding).
+# The test command: installs what the tests need into .venv and the engines into .venv-engines, then
+# runs the suite, engine tests included. Extra arguments go to pytest (e.g. scripts/test.sh -k sharding;
+# a quick local run skips the engine tests with scripts/test.sh -m "not engine").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh
+./scripts/setup_engines.sh
 exec .venv/bin/python -m pytest "$@"

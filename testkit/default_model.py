@@ -14,6 +14,7 @@ import torch
 
 from encoder_server.models.loading import RANDOM_WEIGHTS_MARKER
 from testkit.checkpoints import mark_random_weights, qwen_processor
+from testkit.engine_files import write_engine_files
 
 DEFAULT_MODEL_DIR = Path("models/default-qwen2_5_vl")
 SEED = 0
@@ -22,7 +23,8 @@ SPECIAL_TOKENS = dict(bos_token_id=1004, eos_token_id=1005, pad_token_id=1006)
 
 
 def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size: int = 2048) -> Path:
-    """Builds the full tiny VLM (language model included), saves it in bf16, returns the directory."""
+    """Builds the full tiny VLM (language model included), saves it in bf16 with what an engine needs to
+    serve it, returns the directory."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     out_dir = Path(out_dir)
@@ -57,6 +59,7 @@ def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size:
     model.save_pretrained(out_dir)
     qwen_processor(14).save_pretrained(out_dir)  # the real Qwen2-VL checkpoints' limits: 4 to 16384 tokens
     mark_random_weights(out_dir, SEED)
+    write_engine_files(out_dir)  # tokenizer, chat template, processor config: what vLLM needs to serve it
     return out_dir
 
 

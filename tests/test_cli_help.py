@@ -22,6 +22,7 @@ from encoder_server.sources import SourcePolicy
 from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli
 from encoder_server import precompute
+from gateway import cli as gateway_cli
 from testkit import REPO_ROOT
 
 # command -> (module, parser builder, env prefix, arguments a valid command line needs)
@@ -29,6 +30,8 @@ COMMANDS = {
     "encoder-server": ("encoder_server", cli.build_parser, "ENCODER_", []),  # --model: from ENCODER_MODEL below
     "encoder-client": ("receiver.cli", client_cli.build_parser, "ENCODER_CLIENT_", ["cat.png"]),
     "encoder-precompute": ("encoder_server.precompute", precompute.build_parser, "ENCODER_PRECOMPUTE_", ["images/"]),
+    # --engine-url, --encoders: from ENCODER_GATEWAY_* below
+    "encoder-gateway": ("gateway", gateway_cli.build_parser, "ENCODER_GATEWAY_", []),
 }
 
 
@@ -102,6 +105,8 @@ def test_every_flag_reads_its_environment_variable(command, monkeypatch):
         monkeypatch.delenv(env_name(prefix, action), raising=False)
     monkeypatch.setenv("ENCODER_MODEL", "/models/base")  # the required flags, from the environment
     monkeypatch.setenv("ENCODER_PRECOMPUTE_OUT", "/cache/base")
+    monkeypatch.setenv("ENCODER_GATEWAY_ENGINE_URL", "http://engine:8000")
+    monkeypatch.setenv("ENCODER_GATEWAY_ENCODERS", "grpc://encoder:50051")
     defaults = vars(build().parse_args(required_args))
     for action in actions:
         raw, expected = sample_value(action)
@@ -178,6 +183,7 @@ def test_console_scripts_point_at_the_commands():
         "encoder-server": "encoder_server.cli:main",
         "encoder-client": "receiver.cli:main",
         "encoder-precompute": "encoder_server.precompute:main",
+        "encoder-gateway": "gateway.cli:main",
     }
     for command, (module, build, _, _) in COMMANDS.items():
         assert build().prog == command

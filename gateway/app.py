@@ -1,0 +1,197 @@
+"""The HTTP binding of `encoder-gateway` (aiohttp): routes, the engine's replies streamed back as they
+arrive, errors as OpenAI-style JSON, `/health` and `/metrics`. A client that goes away cancels its handler,
+and with it the encode calls and the engine request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from receiver import EncoderError, EncoderReceiver
+
+from .config import GatewayConfig
+from .handoff import Handoff, InlineEmbedsHandoff, check_family
+from .metrics import GatewayMetrics
+from .serving import ChatCompletionsService, GatewayError, engine_unreachable
+
+log = logging.getLogger(__name__)
+
+SERVICE = web.AppKey("service", ChatCompletionsService)
+CONFIG = web.AppKey("config", GatewayConfig)
+_PROBE_TIMEOUT_S = 2.0
+# Hop-by-hop and framing headers are the gateway's own to set.
+_NOT_FORWARDED = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "content-encoding",
+    "date",
+    "server",
+}
+
+
+def _error_response(error: GatewayError) -> web.Response:
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
+def _forwarded_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in _NOT_FORWARDED}
+
+
+async def _forward(
+    request: web.Request, service: ChatCompletionsService, path: str, body: Any, method: str
+) -> web.StreamResponse:
+    """Sends `body` to the engine and relays its answer: status and body as they are, chunks as they arrive."""
+    try:
+        upstream = await service.engine_request(path, body, method)
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        raise engine_unreachable(service.engine_url, exc) from None
+    try:
+        response = web.StreamResponse(status=upstream.status, headers=_forwarded_headers(upstream))
+        await response.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+    except BaseException:
+        upstream.close()  # also on cancellation: closing the connection makes the engine abort the request
+        raise
+    upstream.release()  # read to the end: the connection goes back to the pool
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    metrics = service.metrics
+    metrics.in_flight.inc()
+    outcome, status = "error", 500
+    try:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise GatewayError(400, "the request body is not valid JSON") from None
+        engine_body = await service.prepare(body)
+        started = time.perf_counter()
+        response = await _forward(request, service, "/v1/chat/completions", engine_body, "POST")
+        metrics.engine_seconds.observe(time.perf_counter() - started)
+        outcome, status = ("ok" if response.status < 400 else "engine_error"), response.status
+        return response
+    except GatewayError as error:
+        outcome, status = "refused", error.status
+        return _error_response(error)
+    except asyncio.CancelledError:
+        outcome, status = "cancelled", 499  # the client closed the connection
+        raise
+    finally:
+        metrics.in_flight.dec()
+        metrics.finished(outcome, status)
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    try:
+        return await _forward(request, request.app[SERVICE], "/v1/models", None, "GET")
+    except GatewayError as error:
+        return _error_response(error)
+
+
+async def health(request: web.Request) -> web.Response:
+    """The gateway's state with the engine's and each encoder's: 200 when both can serve, else 503."""
+    service = request.app[SERVICE]
+    engine_state = "unreachable"
+    try:
+        async with service.session.get(
+            f"{service.engine_url}/health", timeout=aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)
+        ) as reply:
+            engine_state = "ok" if reply.status == 200 else f"HTTP {reply.status}"
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        pass
+    endpoints = service.receiver.endpoints
+    serving = await asyncio.gather(*(e.is_serving(_PROBE_TIMEOUT_S) for e in endpoints))
+    encoders = {e.url: "SERVING" if ok else "NOT_SERVING" for e, ok in zip(endpoints, serving)}
+    ready = engine_state == "ok" and any(serving)
+    state = {
+        "status": "ok" if ready else "unavailable",
+        "gateway": "serving",
+        "engine": {"url": service.engine_url, "status": engine_state},
+        "encoders": encoders,
+    }
+    return web.json_response(state, status=200 if ready else 503)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    body = request.app[SERVICE].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _check_encoders(receiver: EncoderReceiver) -> None:
+    """Refuses to start when the encoders serve a family vLLM cannot take embeddings of; an encoder
+    that does not answer yet is not fatal (pods start in any order)."""
+    try:
+        info = await receiver.served_model()
+    except EncoderError as exc:
+        log.warning("encoders not checked at start-up: %s", exc)
+        return
+    check_family(info.family)
+    log.info(
+        "encoders serve %s (hidden %d, %d deepstack layers)",
+        info.family,
+        info.hidden_size,
+        info.num_deepstack_layers,
+    )
+
+
+def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.Application:
+    """The gateway application; the receiver and the engine client open on start-up, close on clean-up."""
+    app = web.Application(client_max_size=256 << 20)  # requests may carry images and embeddings inline
+    app[CONFIG] = config
+
+    async def lifecycle(app: web.Application):
+        receiver = EncoderReceiver(
+            list(config.encoders),
+            timeout=config.encode_timeout_s,
+            tls=config.tls,
+            auth_token=config.auth_token,
+            transfer=config.transfer,
+        )
+        session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=config.engine_timeout_s), auto_decompress=False
+        )
+        try:
+            await _check_encoders(receiver)
+            app[SERVICE] = ChatCompletionsService(
+                receiver=receiver,
+                handoff=handoff or InlineEmbedsHandoff(),
+                engine_url=config.engine_url,
+                session=session,
+                sources=config.sources,
+                metrics=GatewayMetrics(receiver.metrics),
+                pass_non_image=config.pass_non_image,
+                encode_timeout_s=config.encode_timeout_s,
+                retry_after_s=config.retry_after_s,
+            )
+            yield
+        finally:
+            await session.close()
+            await receiver.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
+    return app
+
+
+async def start(config: GatewayConfig, *, handoff: Handoff | None = None) -> tuple[web.AppRunner, int]:
+    """Starts the gateway on config.host:config.port (0: an OS-chosen port); returns the runner and the port."""
+    # handler_cancellation: a client that disconnects cancels its handler, so its encode and engine call stop.
+    runner = web.AppRunner(build_app(config, handoff=handoff), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    return runner, runner.addresses[0][1]

@@ -1,0 +1,97 @@
+"""How encoded items reach vLLM: the embedding tensor its model takes, the chat content part its OpenAI
+server accepts (`--enable-mm-embeds`), and the `multi_modal_data` its `LLM.generate` accepts.
+
+Formats read from vLLM 0.32: a chat part `{"type": "image_embeds", "image_embeds": {"image_embeds":
+base64(torch.save(tensor)), "image_grid_thw": [t, h, w]}}` (the grid a flat list; the tensor loaded with
+`torch.load(weights_only=True)`); Qwen3-VL's `image_embeds` is the main embedding with its deepstack levels
+concatenated after it along the hidden dimension (`[tokens, hidden * (1 + levels)]`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from receiver.result import EncodeResult, ItemResult
+
+# Families whose items the gateway hands to vLLM: the Qwen-VL embedding input, image_embeds with its grid.
+FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
+
+
+def check_family(family: str) -> None:
+    """Refuses a served family whose embeddings the gateway cannot hand to vLLM, naming why."""
+    if family not in FAMILIES:
+        raise ValueError(
+            f"the encoders serve family {family!r}; encoder-gateway hands vLLM only the Qwen-VL embedding input "
+            f"(image_embeds with image_grid_thw), for families {sorted(FAMILIES)}"
+        )
+
+
+def engine_embedding(item: ItemResult) -> torch.Tensor:
+    """The item's embedding as vLLM's model takes it: deepstack levels (Qwen3-VL) appended along hidden."""
+    if item.deepstack is None:
+        return item.embedding
+    return torch.cat([item.embedding, *item.deepstack.unbind(0)], dim=-1)
+
+
+def serialize_tensor(tensor: torch.Tensor) -> str:
+    """base64 of `torch.save(tensor)`: what vLLM's chat API loads an embedding from."""
+    buffer = io.BytesIO()
+    tensor = tensor.contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:  # a view: torch.save would write its whole storage
+        tensor = tensor.clone()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+def image_embeds_part(item: ItemResult) -> dict[str, Any]:
+    """One item as vLLM's `image_embeds` chat content part."""
+    payload = {"image_embeds": serialize_tensor(engine_embedding(item)), "image_grid_thw": _grid(item)}
+    return {"type": "image_embeds", "image_embeds": payload}
+
+
+def _grid(item: ItemResult) -> list[int]:
+    if len(item.grid_thw) != 3:
+        raise ValueError(f"item {item.index} has no (t, h, w) grid; vLLM's Qwen-VL embedding input needs one")
+    return [int(x) for x in item.grid_thw]
+
+
+class Handoff(Protocol):
+    """Turns a request's encoded items into the content parts that replace its images, in item order.
+
+    The seam where another transport (e.g. an encoder-cache connector) plugs in: it may move the
+    tensors out of band and return parts that only name them.
+    """
+
+    async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]: ...
+
+
+class InlineEmbedsHandoff:
+    """Sends each embedding inside the chat request, as base64(torch.save) in an `image_embeds` part."""
+
+    async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(lambda: [image_embeds_part(item) for item in result.items])
+
+
+def multi_modal_data(result: EncodeResult | Sequence[ItemResult]) -> dict[str, Any]:
+    """The `multi_modal_data` for vLLM's `LLM.generate` / `AsyncLLM.generate` from encoded items:
+
+    result = await receiver.encode(request_id, items)
+    prompt = {"prompt": text, "multi_modal_data": multi_modal_data(result)}
+    outputs = llm.generate(prompt, sampling_params)
+    """
+    items = result.items if isinstance(result, EncodeResult) else list(result)
+    if not items:
+        return {}
+    grid = torch.tensor([_grid(item) for item in items], dtype=torch.int64)
+    return {
+        "image": {
+            "image_embeds": torch.cat([engine_embedding(item) for item in items]),
+            "image_grid_thw": grid,
+        }
+    }

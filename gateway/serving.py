@@ -1,0 +1,157 @@
+"""What the chat-completions endpoint does: encode the request's images on the encoder pods through
+`EncoderReceiver`, put their embedding parts where the images were, and forward the request to the engine.
+
+Transport-free: the HTTP binding (`app.py`) turns GatewayError into a response and streams the engine's reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import grpc
+
+from encoder_common.errors import EncoderError, InvalidItemError
+from receiver import EncodeFailedError, EncoderReceiver
+
+from .handoff import Handoff
+from .metrics import GatewayMetrics
+from .protocol import ImagePart, image_parts, replace_parts
+from .sources import SourcePolicy, part_bytes
+
+
+class GatewayError(Exception):
+    """A request the gateway answers itself: the HTTP status, an OpenAI-style error body, extra headers."""
+
+    def __init__(self, status: int, message: str, *, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        kind = {
+            400: "BadRequestError",
+            502: "BadGatewayError",
+            503: "ServiceUnavailableError",
+            504: "TimeoutError",
+        }
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind.get(self.status, "InternalServerError"),
+                "param": None,
+                "code": self.status,
+            }
+        }
+
+
+_ITEM_IN_MESSAGE = re.compile(r"\bitem (\d+): ")
+
+
+def encode_error(error: EncoderError, parts: list[ImagePart], retry_after_s: int) -> GatewayError:
+    """The HTTP answer for a failed encode (one table: a bad image is the client's, the rest is ours)."""
+    if isinstance(error, InvalidItemError):  # refused before any call: the message names the part
+        return GatewayError(400, str(error))
+    if isinstance(error, EncodeFailedError):
+        if error.code == grpc.StatusCode.INVALID_ARGUMENT:
+            return GatewayError(400, _bad_item_message(error, parts))
+        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return GatewayError(
+                503,
+                f"the encoders are overloaded; retry later ({error.message})",
+                headers={"Retry-After": str(retry_after_s)},
+            )
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            return GatewayError(503, f"no encoder is reachable ({error.message})")
+        if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return GatewayError(504, f"encoding the images took longer than the deadline ({error.message})")
+    return GatewayError(502, f"encoding the images failed: {error}")
+
+
+def _bad_item_message(error: EncodeFailedError, parts: list[ImagePart]) -> str:
+    """The encoder's reason, with its item index translated into the request's message and part."""
+    for tries in error.attempts.values():
+        for attempt in tries:
+            if attempt.status == "INVALID_ARGUMENT":
+                match = _ITEM_IN_MESSAGE.search(attempt.message)
+                if match and int(match.group(1)) < len(parts):
+                    part = parts[int(match.group(1))]
+                    return f"{part.where}: invalid image: {attempt.message[match.end() :]}"
+                return f"invalid image: {attempt.message}"
+    return f"invalid image: {error.message}"
+
+
+class ChatCompletionsService:
+    """Encodes, rewrites and forwards chat-completions requests; one per gateway, shared by all requests."""
+
+    def __init__(
+        self,
+        *,
+        receiver: EncoderReceiver,
+        handoff: Handoff,
+        engine_url: str,
+        session: aiohttp.ClientSession,
+        sources: SourcePolicy,
+        metrics: GatewayMetrics,
+        pass_non_image: bool = False,
+        encode_timeout_s: float | None = None,
+        retry_after_s: int = 1,
+    ):
+        self.receiver = receiver
+        self.handoff = handoff
+        self.engine_url = engine_url.rstrip("/")
+        self.session = session
+        self.sources = sources
+        self.metrics = metrics
+        self.pass_non_image = pass_non_image
+        self.encode_timeout_s = encode_timeout_s
+        self.retry_after_s = retry_after_s
+
+    async def prepare(self, body: Any) -> dict[str, Any]:
+        """The request to send the engine: every image part replaced by its embedding part.
+
+        Raises GatewayError for what the gateway answers itself (bad request, encoders failing).
+        Cancelling it (the client went away) cancels the fetches' waits and the encode calls.
+        """
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the request body must be a JSON object")
+        try:
+            parts = image_parts(body, pass_non_image=self.pass_non_image)
+        except InvalidItemError as exc:
+            raise GatewayError(400, str(exc)) from None
+        if not parts:
+            return body
+        request_id = f"gw-{uuid.uuid4().hex}"
+        started = time.perf_counter()
+        try:
+            images = await asyncio.gather(
+                *(asyncio.to_thread(part_bytes, part, self.sources) for part in parts)
+            )
+            result = await self.receiver.encode(
+                request_id,
+                [{"modality": "image", "data": data} for data in images],
+                timeout=self.encode_timeout_s,
+            )
+        except EncoderError as exc:
+            error = encode_error(exc, parts, self.retry_after_s)
+            self.metrics.encode_failed(error.status)
+            raise error from None
+        encoded = time.perf_counter()
+        new_parts = await self.handoff.content_parts(request_id, result)
+        self.metrics.encoded(len(parts), encoded - started, time.perf_counter() - encoded)
+        return replace_parts(body, dict(zip(parts, new_parts)))
+
+    def engine_request(self, path: str, body: Mapping[str, Any] | None = None, method: str = "POST"):
+        """The engine call: awaiting it gives the engine's response once its headers arrive."""
+        return self.session.request(method, f"{self.engine_url}{path}", json=body)
+
+
+def engine_unreachable(engine_url: str, exc: BaseException) -> GatewayError:
+    """The answer when the engine cannot be reached (refused, reset before its headers, timed out)."""
+    return GatewayError(502, f"the engine at {engine_url} is unreachable: {exc.__class__.__name__}: {exc}")

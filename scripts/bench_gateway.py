@@ -1,0 +1,151 @@
+"""Latency of one chat request with an image through encoder-gateway -> vLLM, against vLLM alone running its
+own vision tower, as ratios from one run; split into encode, hand-off to the engine and the engine's time;
+plus what the gateway adds per image to serialize an embedding (base64 of torch.save).
+
+Starts vLLM from .venv-engines (python -m vllm.entrypoints.openai.api_server) on the built-in default model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
+
+from encoder_common.env_flags import EnvDefaultsParser
+from gateway.app import start
+from gateway.config import GatewayConfig
+from gateway.handoff import image_embeds_part, serialize_tensor
+from receiver import EncoderReceiver
+from testkit.default_model import write_default_model
+from testkit.images import image_bytes
+from testkit.servers import running_server
+from testkit.vllm_server import launch_vllm
+from tests.gateway_support import chat_request, image_part
+
+
+def build_parser() -> EnvDefaultsParser:
+    p = EnvDefaultsParser(
+        prog="bench_gateway.py", env_prefix="BENCH_GATEWAY_", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--size", type=int, default=448, help="image width and height in pixels")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="requests per path (each with a new image: no engine cache hit)",
+    )
+    p.add_argument(
+        "--serialize-tokens", type=int, default=1024, help="rows of the serialization figure's item"
+    )
+    p.add_argument(
+        "--serialize-hidden", type=int, default=3584, help="width of the serialization figure's item"
+    )
+    return p
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
+async def timed_post(session: aiohttp.ClientSession, url: str, body: dict) -> float:
+    started = time.perf_counter()
+    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+        await reply.read()
+        if reply.status != 200:
+            raise RuntimeError(f"{url}: {reply.status} {await reply.text()}")
+    return time.perf_counter() - started
+
+
+def serialization(tokens: int, hidden: int, repeats: int = 5) -> tuple[int, float, float]:
+    """Bytes of one bf16 item as vLLM's chat API takes it, ms to serialize it and ms for vLLM to load it."""
+    tensor = torch.randn(tokens, hidden).to(torch.bfloat16)
+    encode, decode = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        text = serialize_tensor(tensor)
+        encode.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)  # what vLLM does with it
+        decode.append(time.perf_counter() - started)
+    return len(text), median_ms(encode), median_ms(decode)
+
+
+async def bench(args) -> None:
+    model_dir = write_default_model(Path(tempfile.mkdtemp(prefix="bench-gateway-")) / "model")
+    model = str(model_dir)
+    log_path = model_dir.parent / "vllm.log"
+    with launch_vllm(model_dir, log_path=log_path) as vllm:
+        async with running_server(model_dir) as encoder, aiohttp.ClientSession() as session:
+            runner, port = await start(
+                GatewayConfig(engine_url=vllm.url, encoders=(encoder.url,), host="127.0.0.1", port=0)
+            )
+            gateway = f"http://127.0.0.1:{port}"
+            seeds = iter(range(10_000))
+
+            def request(parts):
+                return chat_request(model, parts, max_tokens=1)
+
+            # Warm both paths (first requests compile and fill caches), each with images of its own.
+            for _ in range(2):
+                await timed_post(
+                    session,
+                    vllm.url,
+                    request([image_part(image_bytes(args.size, args.size, seed=next(seeds)))]),
+                )
+                await timed_post(
+                    session,
+                    gateway,
+                    request([image_part(image_bytes(args.size, args.size, seed=next(seeds)))]),
+                )
+            direct, through, encode, handoff, engine = [], [], [], [], []
+            async with EncoderReceiver([encoder.url]) as receiver:
+                for _ in range(args.repeats):
+                    png = image_bytes(args.size, args.size, seed=next(seeds))
+                    direct.append(await timed_post(session, vllm.url, request([image_part(png)])))
+                    png = image_bytes(args.size, args.size, seed=next(seeds))
+                    through.append(await timed_post(session, gateway, request([image_part(png)])))
+                    # The same stages by hand, on another new image: encode, hand-off, engine on embeddings.
+                    png = image_bytes(args.size, args.size, seed=next(seeds))
+                    started = time.perf_counter()
+                    result = await receiver.encode("bench", [{"data": png}])
+                    encode.append(time.perf_counter() - started)
+                    started = time.perf_counter()
+                    part = image_embeds_part(result.items[0])
+                    handoff.append(time.perf_counter() - started)
+                    engine.append(await timed_post(session, vllm.url, request([part])))
+            tokens = result.items[0].num_tokens
+            await runner.cleanup()
+    size, serialize_ms, load_ms = serialization(args.serialize_tokens, args.serialize_hidden)
+    base = median_ms(direct)
+    print(
+        f"one request, 1 image {args.size}x{args.size} ({tokens} tokens), max_tokens 1, median of {args.repeats}:"
+    )
+    print(f"  vLLM alone (its own tower)   {base:8.1f} ms  1.00x")
+    print(f"  gateway -> vLLM              {median_ms(through):8.1f} ms  {median_ms(through) / base:.2f}x")
+    print(f"    encode (receiver)          {median_ms(encode):8.1f} ms  {median_ms(encode) / base:.2f}x")
+    print(f"    hand-off (serialize part)  {median_ms(handoff):8.1f} ms  {median_ms(handoff) / base:.2f}x")
+    print(f"    vLLM on embeddings         {median_ms(engine):8.1f} ms  {median_ms(engine) / base:.2f}x")
+    raw = args.serialize_tokens * args.serialize_hidden * 2
+    print(
+        f"serialization of one {args.serialize_tokens} x {args.serialize_hidden} bf16 item: {raw} tensor bytes -> "
+        f"{size} bytes of base64(torch.save) ({size / raw:.2f}x), {serialize_ms:.1f} ms to serialize, "
+        f"{load_ms:.1f} ms for vLLM to load"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(bench(build_parser().parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

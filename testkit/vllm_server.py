@@ -1,0 +1,102 @@
+"""Starts vLLM's OpenAI server from .venv-engines on a checkpoint (engine tests, the gateway benchmark).
+
+Apart from testkit.launcher because vLLM prints no `ready on host:port` line: it is ready when /health
+answers 200, on a port chosen before it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from testkit import REPO_ROOT
+
+ENGINES_PYTHON = REPO_ROOT / ".venv-engines" / "bin" / "python"
+
+
+def engines_env(**extra: str) -> dict[str, str]:
+    """The environment an engine process runs in: the checkout on PYTHONPATH, no hub, a small CPU KV cache."""
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+
+
+def free_port() -> int:
+    """A port the OS picks on 127.0.0.1 (vLLM takes a port number, not a bound socket)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    process: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def launch_vllm(
+    model_dir: str | Path, *, log_path: Path, max_images: int = 5, timeout: float = 900.0
+) -> Iterator[VllmServer]:
+    """`vllm serve` (as python -m vllm.entrypoints.openai.api_server) in float32 with embedding inputs
+    enabled, on 127.0.0.1; returns once /health answers 200; stopped on exit."""
+    port = free_port()
+    args = [
+        str(ENGINES_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+        "--enable-mm-embeds", "--limit-mm-per-prompt", json.dumps({"image": max_images}),
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with log_path.open("w") as log_file:
+        process = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, env=engines_env(), start_new_session=True
+        )
+        server = VllmServer(process, f"http://127.0.0.1:{port}", log_path)
+        try:
+            deadline = time.monotonic() + timeout
+            while not _healthy(server.url):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM did not start:\n{server.log()[-5000:]}")
+                time.sleep(1.0)
+            yield server
+        finally:
+            _stop(process)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (its engine core and workers too), SIGKILL if it lingers."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, 15)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 9)
+        process.wait()

@@ -1,0 +1,114 @@
+"""Helpers of the gateway tests: chat requests with images, and reading tokens and logprobs out of replies."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from testkit.images import image_bytes
+from testkit.vllm_server import ENGINES_PYTHON, VllmServer, launch_vllm
+
+MAX_TOKENS = 8
+TOP_LOGPROBS = 5
+
+
+@contextlib.contextmanager
+def engine_server(model_dir: Path, log_dir: Path) -> Iterator[VllmServer]:
+    """vLLM on `model_dir`; fails (never skips) without .venv-engines, since CI must run these tests."""
+    if not ENGINES_PYTHON.exists():
+        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
+    with launch_vllm(model_dir, log_path=log_dir / "vllm.log") as server:
+        yield server
+
+
+def data_url(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def image_part(png: bytes) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_url(png)}}
+
+
+def images(sizes: list[tuple[int, int]], seed: int = 0) -> list[bytes]:
+    return [image_bytes(w, h, seed=seed + i) for i, (w, h) in enumerate(sizes)]
+
+
+def chat_request(
+    model: str, parts: list[dict[str, Any]], *, stream: bool = False, max_tokens: int = MAX_TOKENS
+) -> dict[str, Any]:
+    """A greedy request that returns each token's id and top logprobs."""
+    body = {
+        "model": model,
+        "messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": "What is in the pictures?"}]}
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": TOP_LOGPROBS,
+        "return_tokens_as_token_ids": True,  # tokens come back as "token_id:<id>"
+    }
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))
+
+
+def _steps(logprob_content: list[dict[str, Any]]) -> list[tuple[int, float, dict[int, float]]]:
+    return [
+        (
+            _token_id(step["token"]),
+            step["logprob"],
+            {_token_id(t["token"]): t["logprob"] for t in step["top_logprobs"]},
+        )
+        for step in logprob_content
+    ]
+
+
+async def complete(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> list[tuple[int, float, dict[int, float]]]:
+    """POSTs a chat request and returns per generated token (id, logprob, {top id: logprob}), streamed or not."""
+    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+        if reply.status != 200:
+            raise AssertionError(f"{url} answered {reply.status}: {await reply.text()}")
+        if not body.get("stream"):
+            return _steps((await reply.json())["choices"][0]["logprobs"]["content"])
+        assert reply.headers["Content-Type"].startswith("text/event-stream")
+        steps: list = []
+        done = False
+        async for line in reply.content:
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line == b"data: [DONE]":
+                done = True
+                continue
+            choice = json.loads(line[6:])["choices"]
+            if choice and choice[0].get("logprobs"):
+                steps.extend(_steps(choice[0]["logprobs"]["content"]))
+        assert done, "the stream ended without [DONE]"
+        return steps
+
+
+def logprob_gap(got: list, want: list) -> float:
+    """Asserts the same token ids and top-logprob ids, and returns the largest logprob difference."""
+    assert [step[0] for step in got] == [step[0] for step in want]
+    worst = 0.0
+    for (_, logprob, top), (_, want_logprob, want_top) in zip(got, want):
+        worst = max(worst, abs(logprob - want_logprob))
+        # Compare the tokens both top lists hold: a near-tie at the last rank may swap which one is listed.
+        shared = top.keys() & want_top.keys()
+        assert len(shared) >= TOP_LOGPROBS - 1, (top, want_top)
+        worst = max([worst, *(abs(top[t] - want_top[t]) for t in shared)])
+    return worst
