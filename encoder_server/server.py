@@ -28,6 +28,7 @@ from .models.loading import has_random_weights
 from .pipeline import ItemPipeline
 from .servicer import EncoderServicer, method_handlers, model_info
 from .shm import ShmSegments
+from .streams import StreamBudget
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class EncoderServer:
         self.shm: ShmSegments | None = None
         self.cache: EmbeddingCache | None = None
         self.leases: LeaseStore | None = None
+        self.streams = StreamBudget(config.streams)
 
     @property
     def address(self) -> str:
@@ -70,6 +72,7 @@ class EncoderServer:
         if self.config.shm is not None:
             self.shm = ShmSegments(self.config.shm)
             await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
+        self.streams.start()
         self._server = self._build_grpc_server(interceptors, model_info(self.encoder.spec, self.config, random_weights))
         await self._server.start()
         self._serve_metrics()
@@ -118,7 +121,7 @@ class EncoderServer:
         pipeline = ItemPipeline(
             self.encoder, self._batcher, self._pool, config, self.cache, keys=self.leases is not None
         )
-        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.shm, self.leases)
+        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.shm, self.leases, self.streams)
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -200,6 +203,7 @@ class EncoderServer:
             log.warning("%d calls still running after the %.1f s grace period: cancelling them", self.gate.running, grace)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
+        self.streams.stop()
         if self.shm is not None:
             await self.shm.stop()
         if self._batcher is not None:
