@@ -16,6 +16,7 @@ from .leases import LeaseConfig
 from .sglang.config import SglangConfig
 from .shm import ShmConfig
 from .sources import SourcePolicy
+from .streams import StreamLimits
 from .tls import TlsConfig
 
 if TYPE_CHECKING:  # torch is imported once a config is built, not to build the parser (--help stays fast)
@@ -67,6 +68,8 @@ class ServerConfig:
     auth_protect_health: bool = field(default=False, metadata=flag("require the token on health probes too"))
     cache_bytes: int = field(default=DEFAULT_CACHE_BYTES, metadata=flag("embedding cache size in bytes (0: no cache)"))
     leases: LeaseConfig = field(default_factory=LeaseConfig, metadata=section(prefix="lease-"))  # items kept for Fetch
+    # Payload bytes held for Encode streams in progress, beside the cache's own budget.
+    streams: StreamLimits = field(default_factory=StreamLimits, metadata=section(prefix="stream-"))
     grace_seconds: float = field(default=30.0, metadata=flag("drain time for running calls on SIGTERM"))
     metrics_port: int | None = field(  # Prometheus /metrics over HTTP; None: not served
         default=None,

@@ -29,6 +29,7 @@ from .pipeline import ItemPipeline
 from .servicer import EncoderServicer, method_handlers, model_info
 from .sglang import servicer as sglang_servicer
 from .shm import ShmSegments
+from .streams import StreamBudget
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class EncoderServer:
         self.cache: EmbeddingCache | None = None
         self.sglang: sglang_servicer.SglangEncoderServicer | None = None
         self.leases: LeaseStore | None = None
+        self.streams = StreamBudget(config.streams)
 
     @property
     def address(self) -> str:
@@ -72,6 +74,7 @@ class EncoderServer:
         if self.config.shm is not None:
             self.shm = ShmSegments(self.config.shm)
             await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
+        self.streams.start()
         self._server = self._build_grpc_server(interceptors, model_info(self.encoder.spec, self.config, random_weights))
         await self._server.start()
         self._serve_metrics()
@@ -120,7 +123,7 @@ class EncoderServer:
         pipeline = ItemPipeline(
             self.encoder, self._batcher, self._pool, config, self.cache, keys=self.leases is not None
         )
-        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.shm, self.leases)
+        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.shm, self.leases, self.streams)
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -130,7 +133,7 @@ class EncoderServer:
         )
         server.add_generic_rpc_handlers([method_handlers(servicer)])
         if config.sglang.serve:
-            self.sglang = sglang_servicer.SglangEncoderServicer(pipeline, config, self.metrics)
+            self.sglang = sglang_servicer.SglangEncoderServicer(pipeline, config, self.metrics, self.streams)
             server.add_generic_rpc_handlers([sglang_servicer.method_handlers(self.sglang)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -209,6 +212,7 @@ class EncoderServer:
             log.warning("%d calls still running after the %.1f s grace period: cancelling them", self.gate.running, grace)
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
+        self.streams.stop()
         if self.shm is not None:
             await self.shm.stop()
         if self.sglang is not None:

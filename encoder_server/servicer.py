@@ -31,8 +31,17 @@ from .metrics import ServerMetrics
 from .models import ModelSpec
 from .pipeline import ItemPipeline
 from .shm import ShmCall, ShmSegments
+from .streams import StreamBudget
 
 log = logging.getLogger(__name__)
+
+
+# Free-text fields are bounded: they end up in logs and errors (a 1 MB request id was once accepted
+# and logged). Request ids are UUID-like; URLs other than data: URIs (which carry the image itself
+# and count against max_request_bytes) are short.
+MAX_REQUEST_ID_CHARS = 256
+MAX_URL_CHARS = 8192
+MAX_PROBE_NAME_CHARS = 256
 
 
 def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> pb.ModelInfo:
@@ -80,6 +89,7 @@ def parse_request(raw: bytes) -> pb.EncodeRequest:
         unknown = [field.field_number for field in UnknownFieldSet(item)]
         if unknown:
             raise InvalidItemError(f"item {item.index}: fields unknown to this server: numbers {sorted(set(unknown))}")
+    check_text_fields(request)
     return request
 
 
@@ -94,6 +104,19 @@ def parse_fetch_request(raw: bytes, max_keys: int) -> pb.FetchRequest:
     if bad:
         raise InvalidItemError(f"keys at positions {bad} are not 32-byte content keys")
     return request
+
+
+def check_text_fields(request: pb.EncodeRequest) -> None:
+    """Refuses over-long free-text fields, naming the field, before anything logs them."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidItemError(
+            f"request_id is {len(request.request_id)} characters, over the limit of {MAX_REQUEST_ID_CHARS}"
+        )
+    if len(request.shm.probe) > MAX_PROBE_NAME_CHARS:
+        raise InvalidItemError(f"shm.probe is {len(request.shm.probe)} characters, over the limit of {MAX_PROBE_NAME_CHARS}")
+    for item in request.items:
+        if item.WhichOneof("source") == "url" and not item.url.startswith("data:") and len(item.url) > MAX_URL_CHARS:
+            raise InvalidItemError(f"item {item.index}: url is {len(item.url)} characters, over the limit of {MAX_URL_CHARS}")
 
 
 def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
@@ -143,6 +166,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         metrics: ServerMetrics,
         shm: ShmSegments | None = None,
         leases: LeaseStore | None = None,
+        streams: StreamBudget | None = None,
     ):
         self.pipeline = pipeline
         self.config = config
@@ -150,6 +174,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.metrics = metrics
         self.shm = shm
         self.leases = leases
+        self.streams = streams or StreamBudget(config.streams)
 
     def parse_Encode(self, raw: bytes) -> pb.EncodeRequest:
         return parse_request(raw)
@@ -167,9 +192,11 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             lease = request.lease if request.HasField("lease") else None
             if lease is not None and self.leases is None:
                 raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
+            await self.streams.admit()
             shm = ShmCall(self.shm, request)
+            charge = self.streams.call()
             try:
-                async with contextlib.aclosing(self.pipeline.payloads(request.items)) as payloads:
+                async with contextlib.aclosing(self.pipeline.payloads(request.items, charge)) as payloads:
                     async for item, payload, cache_hit, key in payloads:
                         message = payload.header_message(item.index, cache_hit)
                         if lease is not None:
@@ -178,10 +205,16 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                         withheld = lease is not None and lease.withhold_payload
                         placed = withheld or shm.place(message.header, payload.payload_views())
                         started = time.perf_counter()
+                        # Each message records when it began waiting for the receiver: the budget's
+                        # watchdog cancels a stream stuck longer than the stall timeout.
+                        charge.sending_since = time.monotonic()
                         yield message
                         if not placed:
                             for chunk in payload.chunks():
+                                charge.sending_since = time.monotonic()
                                 yield chunk
+                        charge.sending_since = None
+                        charge.release(item.index)
                         record.item_sent(
                             message.header,
                             response_bytes=message.ByteSize() + (0 if placed else payload.nbytes),
@@ -190,7 +223,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 shm.hand_over()
             finally:
                 shm.close()  # takes back the segments of a call cancelled, failed or out of time
-
+                charge.close()
 
     @_maps_errors
     async def Fetch(self, request: pb.FetchRequest, context) -> AsyncIterator[pb.EncodeResponse | bytes]:

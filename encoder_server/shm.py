@@ -1,12 +1,15 @@
 """Server side of the same-host fast path: each item's payload is written once into a warm segment of
-a bounded pool and announced under a fresh name; the receiver unlinks that name once it has the
-bytes, and a reaper takes back what receivers never release.
+a bounded pool and announced under a fresh name; the receiver's tensor is a view of that segment,
+and its name is unlinked when the tensor is freed. A reaper takes back what receivers never release.
 
 A pool segment is a file `<instance>.pool.<random>` under /dev/shm, allocated once (fallocate, so a
 full volume shows up as ENOSPC here and never as SIGBUS later) and kept mapped. To announce an
 item, the server hard-links it as `<instance>.seg.<random>`: a name used once. The receiver's unlink
 drops the link count back to 1, which the server sees with an fstat and reuses the segment.
 Reusing warm pages matters: filling fresh tmpfs pages costs several times a copy into warm ones.
+A segment taken back while its name was still there (a receiver past the release timeout, a call
+cancelled) may still be under a receiver's tensor, so it leaves the pool instead: it is never
+written again, and its memory goes when the last mapping of it does.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class ShmConfig:
     )
     # Smaller payloads go as chunks: a segment's syscalls on both sides cost more than one message.
     min_bytes: int = 64 << 10
-    # An announced segment its receiver has not released by then is taken back (the receiver died).
+    # An announced segment its receiver has not released by then leaves the pool (the receiver died,
+    # or keeps the item's tensor that long: its memory stays with the receiver's tensor then).
     release_timeout_s: float = field(
         default=30.0, metadata=flag("take back a segment its receiver has not released by then")
     )
@@ -102,6 +106,7 @@ class _Segment:
         self.fd = fd
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
         self.public: Path | None = None  # the announced name while a receiver has not released it
+        self.taken_back = False  # taken back unreleased: a receiver may still map it, never reuse it
         self.placed_at = 0.0
         self.last_used = time.monotonic()
 
@@ -245,6 +250,7 @@ class ShmSegments:
             self.stats.reclaimed_cancel += 1
         else:
             self.stats.released += 1
+        self._drop_taken_back()
 
     def _acquire(self, size: int, owner: int) -> _Segment | None:
         free = self._free_fitting(size, owner)
@@ -288,10 +294,15 @@ class ShmSegments:
                     self.stats.released += 1
             else:
                 announced += 1
+        self._drop_taken_back()
         return announced
 
     def _unannounce(self, segment: _Segment) -> bool:
-        """Unlinks the segment's announced name; False when its receiver had unlinked it already."""
+        """Unlinks the segment's announced name; False when its receiver had unlinked it already.
+
+        A segment whose name was still there may be under a receiver's tensor: it is marked to leave
+        the pool, never to be written again.
+        """
         assert segment.public is not None
         try:
             segment.public.unlink()
@@ -299,7 +310,12 @@ class ShmSegments:
         except FileNotFoundError:
             taken = False
         segment.public, segment.last_used = None, time.monotonic()
+        segment.taken_back = taken
         return taken
+
+    def _drop_taken_back(self) -> None:
+        for segment in [s for s in self._segments if s.taken_back]:
+            self._drop(segment)
 
     def _drop(self, segment: _Segment) -> None:
         self._segments.remove(segment)

@@ -1,4 +1,5 @@
-"""Reassembly: writes an Encode stream's chunks straight into each item's preallocated tensor."""
+"""Reassembly: writes an Encode stream's chunks straight into each item's preallocated tensor, or
+takes the item's tensor over its shared-memory segment as it is."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from .shm import Placement
 
 # Makes the uninitialized tensor an item's payload is received into, from its shape and dtype.
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# Looks an item up in shared memory: where its payload is, and its tensor when the segment holds it.
+ShmReader = Callable[[pb.ItemHeader], tuple[Placement, torch.Tensor | None]]
 
 
 class StreamProtocolError(EncoderError):
@@ -25,9 +28,29 @@ class StreamProtocolError(EncoderError):
 
 
 class ItemBuffer:
-    """One item's payload, filled chunk by chunk in arrival order."""
+    """One item's payload: filled chunk by chunk in arrival order, or given whole (a shared-memory view).
 
-    def __init__(self, header: pb.ItemHeader, allocate: Allocator = POOL.empty):
+    Tensors come from the receive pool unless the caller gives its own `allocate`; a whole payload is
+    taken as it is, or copied once into the caller's tensor when there is one.
+    """
+
+    def __init__(self, header: pb.ItemHeader, allocate: Allocator | None = None, payload: torch.Tensor | None = None):
+        self.header = header
+        self.dtype, shape = self.layout(header)
+        if payload is not None and allocate is None:
+            self.tensor = payload.view(self.dtype).reshape(shape)
+        else:
+            self.tensor = (allocate or POOL.empty)(shape, self.dtype)
+        self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
+        self.filled = 0
+        if payload is not None:
+            if self.tensor.data_ptr() != payload.data_ptr():
+                self.tensor.view(torch.uint8).reshape(-1).copy_(payload.view(torch.uint8).reshape(-1))
+            self.filled = len(self._bytes)
+
+    @staticmethod
+    def layout(header: pb.ItemHeader) -> tuple[torch.dtype, tuple[int, int, int]]:
+        """The item's dtype and [layers, num_tokens, hidden_size]; refuses a header that does not add up."""
         dtype = wire.TORCH_DTYPES.get(header.dtype)
         if dtype is None:
             raise StreamProtocolError(f"item {header.index}: unknown dtype {header.dtype}")
@@ -38,22 +61,11 @@ class ItemBuffer:
                 f"item {header.index}: header announces {header.payload_bytes} payload bytes for "
                 f"{layers} x {header.num_tokens} x {header.hidden_size} {dtype}"
             )
-        self.header = header
-        self.dtype = dtype
-        self.tensor = allocate((layers, header.num_tokens, header.hidden_size), dtype)
-        self._bytes = self.tensor.view(torch.uint8).reshape(-1).numpy()
-        self.filled = 0
+        return dtype, (layers, header.num_tokens, header.hidden_size)
 
     @property
     def complete(self) -> bool:
         return self.filled == len(self._bytes)
-
-    def fill_from_shm(self, take: Callable[[pb.ItemHeader, np.ndarray], Placement]) -> Placement:
-        """Lets `take` read the whole payload from shared memory straight into the tensor."""
-        placement = take(self.header, self._bytes)
-        if placement is Placement.FILLED:
-            self.filled = len(self._bytes)
-        return placement
 
     def write(self, chunk: memoryview) -> None:
         end = self.filled + len(chunk)
@@ -67,10 +79,7 @@ class ItemBuffer:
 
 def _shape_only(header: pb.ItemHeader) -> torch.Tensor:
     """A withheld payload: a tensor on the meta device, with the item's shape and dtype and no data."""
-    dtype = wire.TORCH_DTYPES.get(header.dtype)
-    if dtype is None:
-        raise StreamProtocolError(f"item {header.index}: unknown dtype {header.dtype}")
-    shape = (1 + header.num_deepstack_layers, header.num_tokens, header.hidden_size)
+    dtype, shape = ItemBuffer.layout(header)
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
@@ -81,8 +90,8 @@ class ShardAssembler:
         self,
         expected_indices: Collection[int],
         encoder_url: str,
-        read_shm: Callable[[pb.ItemHeader, np.ndarray], Placement] | None = None,
-        allocate: Allocator = POOL.empty,
+        read_shm: ShmReader | None = None,
+        allocate: Allocator | None = None,
         payloads: bool = True,
     ):
         self.expected = set(expected_indices)
@@ -110,10 +119,14 @@ class ShardAssembler:
                 raise StreamProtocolError(f"unexpected item index {message.index} in the stream")
             if not self.payloads:
                 return self._finish(message, _shape_only(message))
-            self._current = ItemBuffer(message, self.allocate)
-            if self.read_shm is not None and self._current.fill_from_shm(self.read_shm) is Placement.REFETCH:
-                self.refetch.append(message.index)
-                self._current = None
+            ItemBuffer.layout(message)  # refused before any segment is touched
+            payload = None
+            if self.read_shm is not None:
+                placement, payload = self.read_shm(message)
+                if placement is Placement.REFETCH:
+                    self.refetch.append(message.index)
+                    return None
+            self._current = ItemBuffer(message, self.allocate, payload)
         if self._current is not None and self._current.complete:
             done = self._finish(self._current.header, self._current.tensor)
             self._current = None

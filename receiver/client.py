@@ -16,7 +16,6 @@ from protos import encoder_pb2 as pb
 from encoder_common.errors import EncoderError, Failover, SharedMemoryUnavailableError, error_class_for
 
 from .assembly import Allocator, ShardAssembler, StreamProtocolError
-from .buffers import POOL
 from .channels import ClientTls, EncoderEndpoint
 from .discovery import DEFAULT_REFRESH_S, EncoderDiscovery, EndpointPool, Resolver, resolve_all
 from .errors import EncodeFailedError, ShardError
@@ -376,7 +375,7 @@ class EncoderReceiver:
         key: bytes,
         *,
         prefer_url: str | None = None,
-        allocate: Allocator = POOL.empty,
+        allocate: Allocator | None = None,
         timeout: float | None = None,
     ) -> ItemResult:
         """A leased item (see `encode(lease_ms=...)`) by its key, received into a tensor from `allocate`.

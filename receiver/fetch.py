@@ -12,7 +12,6 @@ from encoder_common.errors import EncoderError, NotFoundError, SharedMemoryUnava
 from protos import encoder_pb2 as pb
 
 from .assembly import Allocator, ShardAssembler, StreamProtocolError
-from .buffers import POOL
 from .channels import EncoderEndpoint
 from .result import ItemResult
 from .shm import ShmReceiver
@@ -57,7 +56,7 @@ async def fetch_from(
     *,
     deadline: float,
     shm: ShmReceiver | None = None,
-    allocate: Allocator = POOL.empty,
+    allocate: Allocator | None = None,
 ) -> list[ItemResult]:
     """One Fetch call: the items of `keys`, in order, each received into a tensor from `allocate`.
 
@@ -106,7 +105,7 @@ async def fetch_leased(
     deadline: float,
     prefer_url: str | None = None,
     shm: ShmReceiver | None = None,
-    allocate: Allocator = POOL.empty,
+    allocate: Allocator | None = None,
 ) -> ItemResult:
     """One leased item from whichever encoder holds it: `prefer_url` first (the one that encoded it),
     then the others in order. Raises FetchFailedError with every encoder's answer when none has it."""

@@ -1,5 +1,6 @@
 """Receiver side of the same-host fast path: the probe that lets a server prove it shares this host's
-memory, and reading an announced segment into an item's tensor (checked, then unlinked)."""
+memory, and turning an announced segment into the item's tensor without a copy: the tensor is a view
+of the segment, and the segment goes back to the server (its name unlinked) when the tensor is freed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from encoder_common.errors import SharedMemoryUnavailableError
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
@@ -41,7 +43,7 @@ _FORGET_DROPPED_S = 1.0
 class Placement(enum.Enum):
     """Where an item's payload is, once its header has been read."""
 
-    FILLED = "filled"  # read from shared memory into the item's tensor
+    FILLED = "filled"  # the item's tensor is a view of its shared-memory segment
     CHUNKS = "chunks"  # follows on the stream as chunks
     REFETCH = "refetch"  # announced in a segment that could not be used: fetch the item again
 
@@ -66,12 +68,16 @@ class _Refused(Exception):
 
 
 class _Mapping:
-    """A server's pool segment, mapped read-only once and reused for every item announced in it:
-    mapping a segment costs about as much as copying it, and the server reuses its segments."""
+    """A server's pool segment, mapped once and reused for every item announced in it: mapping a
+    segment costs about as much as copying it, and the server reuses its segments.
+
+    Mapped shared and writable, so that the tensors over it are ordinary ones a caller may change in
+    place: the server rewrites a segment only after every tensor over it is gone (its name unlinked).
+    """
 
     def __init__(self, fd: int, size: int):
         self.size = size
-        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.fd = os.dup(fd)
 
     def dropped(self) -> bool:
@@ -151,16 +157,17 @@ class ShmReceiver:
             return None
         return pb.ShmOffer(probe=self.probe) if self._make_probe() else None
 
-    def reader(self, request_id: str) -> Callable[[pb.ItemHeader, np.ndarray], Placement]:
+    def reader(self, request_id: str) -> Callable[[pb.ItemHeader], tuple[Placement, torch.Tensor | None]]:
         """`take` for one call."""
         return functools.partial(self.take, request_id)
 
-    def take(self, request_id: str, header: pb.ItemHeader, into: np.ndarray) -> Placement:
-        """Reads the item's payload from its segment into `into` (uint8, payload_bytes long) when the
-        header announces one and everything checks out; says where the payload is otherwise.
+    def take(self, request_id: str, header: pb.ItemHeader) -> tuple[Placement, torch.Tensor | None]:
+        """Where the item's payload is and, when the header announces a segment and everything checks
+        out, the payload itself: a flat uint8 tensor over the segment, payload_bytes long.
 
-        Raises SharedMemoryUnavailableError in strict mode when the server did not prove it shares
-        this host's memory.
+        The segment stays the caller's while that tensor (or any view of it) lives; it is released
+        to the server when the last one is freed. Raises SharedMemoryUnavailableError in strict mode
+        when the server did not prove it shares this host's memory.
         """
         placement = header.shm if header.HasField("shm") else None
         if placement is None:
@@ -183,9 +190,9 @@ class ShmReceiver:
             )
         if not placement.segment:
             self.stats.fallbacks[_reason(placement.fallback)] += 1
-            return Placement.CHUNKS
+            return Placement.CHUNKS, None
         try:
-            self._read(placement.segment, segment_header(header, proof), into)
+            payload = self._view(placement.segment, segment_header(header, proof), header.payload_bytes)
         except _Refused as exc:
             log.warning(
                 "item %d of request %r: shared-memory segment refused (%s); fetching it over gRPC",
@@ -194,56 +201,57 @@ class ShmReceiver:
                 exc,
             )
             self.stats.fallbacks[exc.reason] += 1
-            return Placement.REFETCH
+            return Placement.REFETCH, None
         self.stats.items_shm += 1
         self.stats.bytes_shm += header.payload_bytes
-        return Placement.FILLED
+        return Placement.FILLED, payload
 
-    def _not_negotiated(self, reason: str, why: str, follows: Placement) -> Placement:
+    def _not_negotiated(self, reason: str, why: str, follows: Placement) -> tuple[Placement, None]:
         if self.strict:
             raise SharedMemoryUnavailableError(f"shared-memory transfer unavailable: {why}")
         self.stats.fallbacks[reason] += 1
-        return follows
+        return follows, None
 
-    def _read(self, name: str, expected_header: bytes, into: np.ndarray) -> None:
-        """Checks the segment against what the stream announced, copies its payload, unlinks it."""
+    def _view(self, name: str, expected_header: bytes, nbytes: int) -> torch.Tensor:
+        """Checks the segment against what the stream announced and returns its payload as a tensor
+        over the segment; a refused segment is unlinked (released) at once."""
         if not is_segment_name(name):
             raise _Refused("bad_name", f"{name!r} is not a segment name")
         path = self.directory / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise _Refused("missing", f"{name} does not exist") from None
-        except PermissionError:
-            raise _Refused("permission_denied", f"{name}: permission denied") from None
-        except OSError as exc:
-            raise _Refused("read_failed", f"{name}: {exc}") from None
-        try:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise _Refused("missing", f"{name} does not exist") from None
+            except PermissionError:
+                raise _Refused("permission_denied", f"{name}: permission denied") from None
+            except OSError as exc:
+                raise _Refused("read_failed", f"{name}: {exc}") from None
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
                     raise _Refused(
                         "not_private", f"{name} is not a file of this user's, readable by it alone"
                     )
-                if st.st_size < HEADER_BYTES + len(into):
+                if st.st_size < HEADER_BYTES + nbytes:
                     raise _Refused(
-                        "size_mismatch", f"{name} holds {st.st_size} bytes, the stream announced {len(into)}"
+                        "size_mismatch", f"{name} holds {st.st_size} bytes, the stream announced {nbytes}"
                     )
                 mapping = self._mapping(fd, st)
             except OSError as exc:
                 raise _Refused("read_failed", f"{name}: {exc}") from None
             finally:
                 os.close(fd)
-            refused = _copy_checked(mapping.map, expected_header, into)
-            if refused == "header_mismatch":
-                raise _Refused(refused, f"{name}'s header does not match the stream's")
-            if refused == "overwritten":
-                raise _Refused(refused, f"{name} was taken back while being read")
-        finally:
-            try:
-                path.unlink()  # releases the segment to the server, used or refused
-            except OSError:
-                pass
+            if mapping.map[:HEADER_BYTES] != expected_header:
+                raise _Refused("header_mismatch", f"{name}'s header does not match the stream's")
+        except _Refused:
+            _unlink(path)  # releases the segment to the server
+            raise
+        payload = np.frombuffer(mapping.map, dtype=np.uint8, count=nbytes, offset=HEADER_BYTES)
+        # The tensor's storage holds `payload`: once the tensor and every view of it are gone, the
+        # name goes and the server may reuse the segment. Until then it never writes to it.
+        weakref.finalize(payload, _unlink, path)
+        return torch.from_numpy(payload)
 
     def _mapping(self, fd: int, st: os.stat_result) -> _Mapping:
         key = (st.st_dev, st.st_ino)
@@ -263,17 +271,11 @@ class ShmReceiver:
         return mapping
 
 
-def _copy_checked(segment: mmap.mmap, expected_header: bytes, into: np.ndarray) -> str | None:
-    """Copies the payload when the header matches before and after; else says which check failed.
-
-    Returns rather than raises, so that no traceback keeps a view of the mapping alive.
-    """
-    view = np.frombuffer(segment, dtype=np.uint8)
-    if view[:HEADER_BYTES].tobytes() != expected_header:
-        return "header_mismatch"
-    np.copyto(into, view[HEADER_BYTES : HEADER_BYTES + len(into)])
-    # The server zeroes the header before reusing a segment: a reader it overtook sees that.
-    return "overwritten" if view[:HEADER_BYTES].tobytes() != expected_header else None
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass  # the server took it back already (timeout, cancelled call, shutdown)
 
 
 @functools.lru_cache(maxsize=1024)

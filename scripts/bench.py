@@ -1,6 +1,7 @@
 """Throughput benchmark of the encode path; every figure stands beside a baseline measured in the same run.
 
-Sections: transport (ours vs bare grpcio, pyzmq and memcpy), serving overhead (a server vs the same
+Sections: transport (the gRPC stream and same-host shared memory vs bare grpcio, pyzmq raw frames,
+memcpy and, when installed, Mooncake's TCP transfer engine), serving overhead (a server vs the same
 model in-process), batching (on vs off, 16 clients), scale-out (2 encoder processes vs 1), cache (hit
 vs miss) and images/s by image size. Prints a table, writes JSON (--json). `--quick` is the short CI
 run; `--device cuda` runs the real-size Qwen2.5-VL tower (random weights) on a GPU.
@@ -23,6 +24,7 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -35,17 +37,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from encoder_server.config import DEFAULT_CACHE_BYTES  # noqa: E402
 from protos import wire  # noqa: E402
 from testkit.checkpoints import write_tower_checkpoint  # noqa: E402
-from testkit.encoders import PIXELS, EncoderDouble  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402
 from testkit.launcher import LaunchedProcess, server_argv, start_process  # noqa: E402
 
 MiB = 1 << 20
 SECTIONS = ("transport", "serving", "batching", "scale_out", "cache", "image_sizes")
-TRANSPORT_HIDDEN = 2048  # embedding width of the transport model double (bf16: 4 KiB per token)
-BARE_METHOD = "/bench.Bare/Stream"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +56,6 @@ class Profile:
     tower: dict  # Qwen2.5-VL vision_config of the compute-bound tower
     transport_sizes: tuple[int, ...]
     transport_bytes: int  # moved per transport measurement
-    transport_cache_bytes: int  # the transport server's cache, filled before timing so misses run in steady state
     rounds: int  # measurements per figure, interleaved with its baseline; the median is reported
     serving_image: tuple[int, int]
     serving_images: int
@@ -95,8 +92,7 @@ def profile_for(device: str, quick: bool) -> Profile:
     if device == "cuda":
         return Profile(
             device="cuda", dtype="bfloat16", torch_threads=4, tower=real_tower(32),
-            transport_sizes=(8 * MiB, 32 * MiB), transport_bytes=(64 if quick else 512) * MiB,
-            transport_cache_bytes=(128 if quick else 1024) * MiB, rounds=1 if quick else 3,
+            transport_sizes=(7 * MiB, 32 * MiB), transport_bytes=(64 if quick else 512) * MiB, rounds=1 if quick else 3,
             serving_image=(448, 448), serving_images=32 if quick else 256, serving_clients=8,
             batching_clients=16, batching_requests=4 if quick else 32, batching_image=(56, 56),
             scale_requests=16 if quick else 64, scale_items=4, cache_repeats=3 if quick else 10,
@@ -104,8 +100,7 @@ def profile_for(device: str, quick: bool) -> Profile:
         )  # fmt: skip
     return Profile(
         device="cpu", dtype="float32", torch_threads=1, tower=TINY_TOWER if quick else real_tower(1),
-        transport_sizes=(8 * MiB, 32 * MiB), transport_bytes=(32 if quick else 256) * MiB,
-        transport_cache_bytes=(64 if quick else 1024) * MiB, rounds=1 if quick else 7,
+        transport_sizes=(7 * MiB, 32 * MiB), transport_bytes=(32 if quick else 256) * MiB, rounds=1 if quick else 7,
         serving_image=(112, 112), serving_images=4 if quick else 12, serving_clients=2,
         batching_clients=16, batching_requests=2 if quick else 12, batching_image=(56, 56),
         scale_requests=2 if quick else 8, scale_items=2, cache_repeats=2 if quick else 5,
@@ -125,58 +120,6 @@ class Seeds:
 
 
 # Child processes: the servers and the baselines' senders.
-
-
-def role_pixel_tokens(args) -> None:
-    """An encoder server process that serves the transport's model double through the real servicer."""
-    import logging
-
-    from encoder_server.cli import tune_malloc
-    from encoder_server.config import ServerConfig
-    from encoder_server.server import EncoderServer
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not args.no_tune_malloc:
-        tune_malloc()
-    max_tokens = max(args.payload_bytes) // (TRANSPORT_HIDDEN * 2)
-    # One bf16 row per pixel from a fixed table: a real model's output sizes, and no compute.
-    encoder = EncoderDouble(tokens=PIXELS, hidden_size=TRANSPORT_HIDDEN, max_tokens=max_tokens)
-    config = ServerConfig(model=args.model_dir, host="127.0.0.1", port=0, device="cpu", dtype=torch.bfloat16,
-                          cache_bytes=args.cache_bytes)  # fmt: skip
-
-    async def serve() -> None:
-        server = EncoderServer(config, encoder=encoder)
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
-
-
-def role_bare_grpc(args) -> None:
-    """The ceiling of gRPC in Python: a generic handler yielding pre-cut raw-bytes chunks, no protobuf."""
-    from encoder_server.cli import tune_malloc
-
-    tune_malloc()
-    chunk = args.chunk_bytes
-    payloads = {}
-    for size in args.payload_bytes:
-        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
-        payloads[size] = [data[i : i + chunk] for i in range(0, size, chunk)]
-
-    async def stream(request: bytes, context):
-        for piece in payloads[int(request)]:
-            yield piece
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        handler = grpc.method_handlers_generic_handler("bench.Bare", {"Stream": grpc.unary_stream_rpc_method_handler(stream)})
-        server.add_generic_rpc_handlers([handler])
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        print(f"ready on 127.0.0.1:{port}", flush=True)
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
 
 
 def role_zmq_push(args) -> None:
@@ -201,7 +144,6 @@ def role_zmq_push(args) -> None:
             push.send_multipart([meta, payloads[size]], copy=False)
 
 
-ROLES = {"pixel-tokens": role_pixel_tokens, "bare-grpc": role_bare_grpc, "zmq-push": role_zmq_push}
 _CONTROL = re.compile(r"control on \S+:(\d+)")
 
 
@@ -354,128 +296,7 @@ class Context:
     seeds: Seeds = dataclasses.field(default_factory=Seeds)
     servers: dict[str, LaunchedProcess] = dataclasses.field(default_factory=dict)
     models: dict[str, Path] = dataclasses.field(default_factory=dict)
-
-
-def transport_image(size: int, seed: int) -> bytes:
-    """A PNG whose embedding from the pixel-token model is exactly `size` bytes of bf16."""
-    tokens = size // (TRANSPORT_HIDDEN * 2)
-    width = 1 << (tokens.bit_length() // 2)
-    return image_bytes(width, tokens // width, seed, compress_level=1)
-
-
-async def section_transport(ctx: Context) -> dict:
-    import zmq
-
-    from receiver import EncoderReceiver
-    from receiver.buffers import POOL
-
-    p = ctx.profile
-    sizes = p.transport_sizes
-    servers = ctx.servers
-    receivers = {name: EncoderReceiver([servers[name].url]) for name in ("pixel-tokens", "pixel-tokens-malloc-default")}
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{servers['bare-grpc'].port}")
-    bare_stream = channel.unary_stream(BARE_METHOD)
-    zctx = zmq.Context()
-    pull, control = zctx.socket(zmq.PULL), zctx.socket(zmq.REQ)
-    pull.connect(f"tcp://127.0.0.1:{servers['zmq-push'].port}")
-    control.connect(f"tcp://127.0.0.1:{_CONTROL.search(servers['zmq-push'].log()).group(1)}")
-
-    async def ours(server: str, cached: bool, size: int, n: int) -> float:
-        """Sequential one-item calls; `cached` sends one image again and again, else a new one each time."""
-        receiver = receivers[server]
-        if cached:
-            images = [transport_image(size, seed=size)] * n
-            await receiver.encode("transport-cache-fill", [{"data": images[0]}])
-        else:
-            images = [transport_image(size, seed) for seed in ctx.seeds.take(n)]
-        started = time.perf_counter()
-        for i, data in enumerate(images):
-            (item,) = (await receiver.encode(f"transport-{i}", [{"data": data}])).items
-            assert item.cache_hit == cached and item.embedding.numel() * item.embedding.element_size() == size
-        return time.perf_counter() - started
-
-    async def bare_grpc(size: int, n: int, allocate=POOL.empty) -> float:
-        """The same bytes into the same kind of buffer as ours, without protocol, cache or bookkeeping."""
-        request = str(size).encode()
-        started = time.perf_counter()
-        for _ in range(n):
-            tensor = allocate((size,), torch.uint8)
-            dst, filled = tensor.numpy(), 0
-            async for chunk in bare_stream(request):
-                dst[filled : filled + len(chunk)] = np.frombuffer(chunk, np.uint8)
-                filled += len(chunk)
-            assert filled == size
-        return time.perf_counter() - started
-
-    def zmq_pull(size: int, n: int) -> float:
-        started = time.perf_counter()
-        control.send(f"{size} {n}".encode())
-        control.recv()
-        for _ in range(n):
-            _meta, frame = pull.recv_multipart(copy=False)
-            tensor = POOL.empty((size,), torch.uint8)
-            tensor.numpy()[:] = np.frombuffer(frame.buffer, np.uint8)
-        return time.perf_counter() - started
-
-    buffers = {size: np.random.default_rng(size).integers(0, 256, (2, size), dtype=np.uint8) for size in sizes}
-
-    async def memcpy(size: int, n: int) -> float:
-        """One host copy into a buffer whose pages are already mapped: the physical limit."""
-        src, dst = buffers[size]
-        started = time.perf_counter()
-        for _ in range(n):
-            np.copyto(dst, src)
-        return time.perf_counter() - started
-
-    methods: dict[str, Callable[[int, int], Awaitable[float]]] = {
-        "ours_cached": functools.partial(ours, "pixel-tokens", True),
-        "ours_computed": functools.partial(ours, "pixel-tokens", False),
-        "ours_computed_server_malloc_default": functools.partial(ours, "pixel-tokens-malloc-default", False),
-        "bare_grpc": bare_grpc,
-        "bare_grpc_torch_empty": functools.partial(bare_grpc, allocate=lambda shape, dtype: torch.empty(shape, dtype=dtype)),
-        "zmq": lambda size, n: asyncio.to_thread(zmq_pull, size, n),
-        "memcpy": memcpy,
-    }
-    async def gbps(measure: Callable[[int, int], Awaitable[float]], size: int) -> float:
-        n = max(2, p.transport_bytes // size)
-        return n * size / await measure(size, n) / 1e9
-
-    try:
-        # Warm-up: connections, and the servers' caches filled once, so that every timed miss evicts
-        # and reuses memory as a long-running server does instead of growing the heap.
-        for server in receivers:
-            for size in sizes:
-                await ours(server, False, size, max(1, p.transport_cache_bytes // len(sizes) // size))
-        for size in sizes:
-            for method in ("bare_grpc", "bare_grpc_torch_empty", "zmq"):
-                await methods[method](size, 1)
-        measures = {
-            f"{size // MiB} MiB {method}": functools.partial(gbps, measure, size)
-            for size in sizes
-            for method, measure in methods.items()
-        }
-        runs = await interleaved("transport", p.rounds, measures)
-    finally:
-        for receiver in receivers.values():
-            await receiver.close()
-        await channel.close()
-        zctx.destroy(linger=0)
-    out = {}
-    for size in sizes:
-        by_method = {method: runs[f"{size // MiB} MiB {method}"] for method in methods}
-        ratio = lambda a, b: paired_ratio(by_method[a], by_method[b])  # noqa: E731
-        out[f"{size // MiB}MiB"] = {
-            "payload_bytes": size,
-            "gbps": {method: median(values) for method, values in by_method.items()},
-            "runs_gbps": by_method,
-            "ours_vs_bare_grpc": ratio("ours_cached", "bare_grpc"),
-            "ours_computed_vs_bare_grpc": ratio("ours_computed", "bare_grpc"),
-            "ours_vs_zmq": ratio("ours_cached", "zmq"),
-            "ours_vs_memcpy": ratio("ours_cached", "memcpy"),
-            "server_malloc_tuned_vs_default": ratio("ours_computed", "ours_computed_server_malloc_default"),
-            "receiver_huge_pages_vs_torch_empty": ratio("bare_grpc", "bare_grpc_torch_empty"),
-        }
-    return out
+    mooncake_skipped: str | None = None  # why the Mooncake figures are absent
 
 
 def load_in_process(ctx: Context):
@@ -650,8 +471,279 @@ async def section_image_sizes(ctx: Context) -> dict:
     return {"tower": p.tower, "dtype": p.dtype, "device": p.device, "sizes": out}
 
 
+
+# The data plane: our stream and shared memory against bare grpcio, pyzmq, memcpy (and Mooncake).
+
+TRANSPORT_HIDDEN = 3584  # Qwen2.5-VL-7B's embedding width: 1,024 bf16 tokens are 7 MiB
+SMALL_TOKENS = 64
+SMALL = 0  # the key of the small item among the nominal sizes
+
+
+def item_tokens(size: int) -> int:
+    """Rows of the item that stands for nominal size `size` (bytes): 1,024 for 7 MiB, 4,682 for 32 MiB."""
+    return SMALL_TOKENS if size == SMALL else -(-size // (TRANSPORT_HIDDEN * 2))
+
+
+def item_bytes(size: int) -> int:
+    return item_tokens(size) * TRANSPORT_HIDDEN * 2
+IN_FLIGHT = 4  # calls in flight in the pipelined modes: a prefill node has many requests at once
+
+
+def request_jpeg(seed: int, side: int = 720) -> bytes:
+    """A real JPEG of random pixels, ~470 KB at 720x720: what a 1,024-token image weighs on the wire."""
+    return image_bytes(side, side, seed, fmt="JPEG", quality=90)
+
+
+def role_bare_grpc(args) -> None:
+    """The strongest plain grpcio server we could write: a generic handler that takes the request's
+    bytes unparsed and yields pre-framed chunks (the same ~1 MiB chunk messages as ours) of a payload
+    made once, one method per payload size."""
+    from encoder_server.cli import tune_malloc
+
+    tune_malloc()
+    handlers = {}
+    for size in args.payload_bytes:
+        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        chunks = list(wire.chunk_messages(memoryview(data)))
+
+        async def stream(request: bytes, context, chunks=chunks):
+            for chunk in chunks:
+                yield chunk
+
+        handlers[f"Stream{size}"] = grpc.unary_stream_rpc_method_handler(stream)
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Bare", handlers)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(f"ready on 127.0.0.1:{port}", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def role_mooncake_target(args) -> None:
+    """A Mooncake transfer engine (TCP) with one registered buffer that the bench process writes into."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("mooncake: initialize failed")
+    buffer = np.zeros(max(args.payload_bytes), dtype=np.uint8)
+    if engine.register_memory(buffer.ctypes.data, buffer.nbytes) != 0:
+        raise SystemExit("mooncake: register_memory failed")
+    print(f"buffer {buffer.ctypes.data}", flush=True)
+    print(f"ready on 127.0.0.1:{engine.get_rpc_port()}", flush=True)
+    threading.Event().wait()  # until the bench terminates it
+
+
+def mooncake_available() -> str | None:
+    """None when the Mooncake transfer engine imports, else why not."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # ImportError, or the OSError of a missing libibverbs
+        return f"{exc.__class__.__name__}: {exc}"
+    return None
+
+
+async def section_dataplane(ctx: Context) -> dict:
+    import zmq
+
+    from protos import encoder_pb2 as pb
+    from receiver import EncoderReceiver
+    from receiver.buffers import POOL
+
+    p = ctx.profile
+    sizes = p.transport_sizes
+    servers = ctx.servers
+    fixed = {size: servers[f"fixed-{size}"].url for size in sizes}
+    fixed[SMALL] = servers["fixed-small"].url
+    stream_rx = {size: EncoderReceiver([url], transfer="grpc") for size, url in fixed.items()}
+    shm_rx = {size: EncoderReceiver([fixed[size]], transfer="shm") for size in sizes}
+    bare_channel = grpc.aio.insecure_channel(f"127.0.0.1:{servers['bare-grpc'].port}")
+    cached_image = request_jpeg(seed=0)
+    small_image = request_jpeg(seed=1, side=224)
+    n_calls = {size: max(IN_FLIGHT, p.transport_bytes // size // IN_FLIGHT * IN_FLIGHT) for size in sizes}
+    # Computed items need an image no call sent before: one per call of both computed modes, every round.
+    fresh = {size: iter([request_jpeg(seed) for seed in ctx.seeds.take(2 * n_calls[size] * p.rounds)]) for size in sizes}
+    zctx = zmq.Context()
+    pull, control = zctx.socket(zmq.PULL), zctx.socket(zmq.REQ)
+    pull.connect(f"tcp://127.0.0.1:{servers['zmq-push'].port}")
+    control.connect(f"tcp://127.0.0.1:{_CONTROL.search(servers['zmq-push'].log()).group(1)}")
+
+    def bare_request(image: bytes) -> bytes:
+        # The very bytes our receiver sends: the bare server receives the image too.
+        return pb.EncodeRequest(request_id="bare", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image)]).SerializeToString()
+
+    bare_calls = {size: bare_channel.unary_stream(f"/bench.Bare/Stream{item_bytes(size)}") for size in [*sizes, SMALL]}
+
+    async def in_flight(calls: Sequence[Callable[[], Awaitable[None]]], width: int) -> float:
+        """Runs the calls `width` at a time (one after another when 1); returns the seconds taken."""
+        queue = list(reversed(calls))
+
+        async def worker() -> None:
+            while queue:
+                await queue.pop()()
+
+        return await timed(lambda: asyncio.gather(*(worker() for _ in range(width))))
+
+    def ours_call(receiver, image: bytes, size: int, cached: bool):
+        async def call() -> None:
+            (item,) = (await receiver.encode("bench", [{"data": image}])).items
+            assert item.cache_hit == cached and item.embedding.numel() * 2 == item_bytes(size)
+
+        return call
+
+    def bare_call(size: int, request: bytes):
+        async def call() -> None:
+            dst, filled = POOL.empty((item_bytes(size),), torch.uint8).numpy(), 0
+            async for chunk in bare_calls[size](request):  # each chunk copied as it arrives, as ours
+                part = wire.parse_response(chunk)
+                dst[filled : filled + len(part)] = np.frombuffer(part, np.uint8)
+                filled += len(part)
+            assert filled == item_bytes(size)
+
+        return call
+
+    async def measure(size: int, kind: str) -> float:
+        """Bytes per second (GB/s) of one figure; `kind` is what moves and how."""
+        n, nbytes = n_calls[size], item_bytes(size)
+        width = IN_FLIGHT if kind.endswith("_x4") else 1
+        if kind.startswith("bare"):
+            calls = [bare_call(size, bare_request(cached_image))] * n
+        elif kind.startswith("stream_computed"):
+            calls = [ours_call(stream_rx[size], next(fresh[size]), size, False) for _ in range(n)]
+        elif kind.startswith("stream"):
+            calls = [ours_call(stream_rx[size], cached_image, size, True)] * n
+        elif kind == "shm":
+            calls = [ours_call(shm_rx[size], cached_image, size, True)] * n
+        elif kind == "zmq":
+            return n * nbytes / await asyncio.to_thread(zmq_pull, nbytes, n) / 1e9
+        else:  # memcpy
+            return n * nbytes / memcpy(size, n) / 1e9
+        return n * nbytes / await in_flight(calls, width) / 1e9
+
+    def zmq_pull(nbytes: int, n: int) -> float:
+        started = time.perf_counter()
+        control.send(f"{nbytes} {n}".encode())
+        control.recv()
+        for _ in range(n):
+            _meta, frame = pull.recv_multipart(copy=False)
+            tensor = POOL.empty((nbytes,), torch.uint8)
+            tensor.numpy()[:] = np.frombuffer(frame.buffer, np.uint8)
+        return time.perf_counter() - started
+
+    copies = {size: np.random.default_rng(size).integers(0, 256, (2, item_bytes(size)), dtype=np.uint8) for size in sizes}
+
+    def memcpy(size: int, n: int) -> float:
+        """One host copy into a buffer whose pages are already mapped: the physical limit."""
+        src, dst = copies[size]
+        started = time.perf_counter()
+        for _ in range(n):
+            np.copyto(dst, src)
+        return time.perf_counter() - started
+
+    async def small_latency(kind: str) -> float:
+        """Milliseconds per one-item call of a cached 64-token item (448 KiB), one call at a time."""
+        n = 10 * p.rounds
+        if kind == "bare":
+            calls = [bare_call(SMALL, bare_request(small_image))] * n
+        else:
+            calls = [ours_call(stream_rx[SMALL], small_image, SMALL, True)] * n
+        return await in_flight(calls, 1) / n * 1000
+
+    kinds = ["bare_seq", "bare_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
+             "stream_computed_x4", "shm", "zmq", "memcpy"]  # fmt: skip
+    try:
+        for size in [*sizes, SMALL]:  # the cached item computed once
+            await ours_call(stream_rx[size], small_image if size == SMALL else cached_image, size, False)()
+        for size in sizes:  # warm-up: connections, shared-memory pools grown
+            for kind in kinds:
+                if kind.startswith("stream_computed"):
+                    continue
+                await measure(size, kind)
+        await small_latency("bare")
+        await small_latency("ours")
+        measures = {f"{size // MiB} MiB {kind}": functools.partial(measure, size, kind) for size in sizes for kind in kinds}
+        measures.update({f"small {kind}": functools.partial(small_latency, kind) for kind in ("bare", "ours")})
+        runs = await interleaved("dataplane", p.rounds, measures)
+        mooncake = await dataplane_mooncake(ctx, sizes)
+    finally:
+        for receiver in [*stream_rx.values(), *shm_rx.values()]:
+            await receiver.close()
+        await bare_channel.close()
+        zctx.destroy(linger=0)
+    out: dict = {"hidden_size": TRANSPORT_HIDDEN, "request_jpeg_bytes": len(cached_image), "calls_in_flight": IN_FLIGHT}
+    for size in sizes:
+        by = {kind: runs[f"{size // MiB} MiB {kind}"] for kind in kinds}
+        best_bare = [max(a, b) for a, b in zip(by["bare_seq"], by["bare_x4"])]
+        ratio = lambda a, b: paired_ratio(by[a] if isinstance(a, str) else a, by[b] if isinstance(b, str) else b)  # noqa: E731
+        row = {
+            "payload_bytes": item_bytes(size),
+            "gbps": {kind: median(values) for kind, values in by.items()},
+            "runs_gbps": by,
+            "stream_vs_best_bare": {kind: ratio(kind, best_bare) for kind in kinds if kind.startswith("stream")},
+            "shm_vs_zmq": ratio("shm", "zmq"),
+            "shm_vs_memcpy": ratio("shm", "memcpy"),
+            # One-item latency, shared memory over the stream (one call at a time, cached item).
+            "shm_latency_vs_stream": ratio("stream_cached_seq", "shm"),
+            "shm_latency_ms": 1e3 * item_bytes(size) / 1e9 / median(by["shm"]),
+            "stream_latency_ms": 1e3 * item_bytes(size) / 1e9 / median(by["stream_cached_seq"]),
+        }
+        if size in mooncake:
+            row["mooncake_gbps"] = mooncake[size]
+            row["stream_vs_mooncake"] = median(by["stream_cached_seq"]) / mooncake[size]
+        out[f"{size // MiB}MiB"] = row
+    out["small"] = {
+        "tokens": SMALL_TOKENS,
+        "payload_bytes": item_bytes(SMALL),
+        "ours_ms": summary(runs["small ours"]),
+        "bare_ms": summary(runs["small bare"]),
+        "ours_vs_bare_latency": paired_ratio(runs["small ours"], runs["small bare"]),
+    }
+    out["mooncake"] = "measured" if mooncake else ctx.mooncake_skipped
+    return out
+
+
+async def dataplane_mooncake(ctx: Context, sizes: Sequence[int]) -> dict[int, float]:
+    """GB/s of Mooncake's TCP transport writing each size into another process's registered buffer."""
+    if "mooncake" not in ctx.servers:
+        return {}
+    from mooncake.engine import TransferEngine
+
+    target = ctx.servers["mooncake"]
+    remote = int(re.search(r"buffer (\d+)", target.log()).group(1))
+    engine = TransferEngine()
+    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("mooncake: initialize failed")
+    source = np.random.default_rng(0).integers(0, 256, max(map(item_bytes, sizes)), dtype=np.uint8)
+    if engine.register_memory(source.ctypes.data, source.nbytes) != 0:
+        raise RuntimeError("mooncake: register_memory failed")
+    session = f"127.0.0.1:{target.port}"
+    out = {}
+    for size in sizes:
+        nbytes = item_bytes(size)
+        n = max(4, ctx.profile.transport_bytes // nbytes)
+
+        def run() -> float:
+            engine.transfer_sync_write(session, source.ctypes.data, remote, nbytes)  # warm-up
+            started = time.perf_counter()
+            for _ in range(n):
+                if engine.transfer_sync_write(session, source.ctypes.data, remote, nbytes) != 0:
+                    raise RuntimeError("mooncake: transfer_sync_write failed")
+            return time.perf_counter() - started
+
+        out[size] = n * nbytes / await asyncio.to_thread(run) / 1e9
+    return out
+
+
+ROLES = {"bare-grpc": role_bare_grpc, "zmq-push": role_zmq_push,
+         "mooncake-target": role_mooncake_target}
+
+
 RUNNERS = {
-    "transport": section_transport,
+    "transport": section_dataplane,
     "serving": section_serving,
     "batching": section_batching,
     "scale_out": section_scale_out,
@@ -667,13 +759,19 @@ async def start_processes(ctx: Context, sections: Sequence[str]) -> None:
     p, children = ctx.profile, ctx.children
     starts: dict[str, Awaitable[LaunchedProcess]] = {}
     if "transport" in sections:
-        sizes = [str(s) for s in p.transport_sizes]
-        pixel = ["--payload-bytes", *sizes, "--model-dir", str(ctx.workdir), "--cache-bytes", str(p.transport_cache_bytes)]
-        starts["pixel-tokens"] = children.role("pixel-tokens", "pixel-tokens", 1, *pixel)
-        starts["pixel-tokens-malloc-default"] = children.role("pixel-tokens-malloc-default", "pixel-tokens", 1,
-                                                              *pixel, "--no-tune-malloc")  # fmt: skip
-        starts["bare-grpc"] = children.role("bare-grpc", "bare-grpc", 1, "--payload-bytes", *sizes)
-        starts["zmq-push"] = children.role("zmq-push", "zmq-push", 1, "--payload-bytes", *sizes)
+        for size in [*p.transport_sizes, SMALL]:
+            name = f"fixed-{size}" if size else "fixed-small"
+            argv = [sys.executable, "-m", "testkit.fixed_server", str(item_tokens(size)), str(TRANSPORT_HIDDEN)]
+            starts[name] = children.spawn(name, argv, 1)
+        payloads = [str(item_bytes(size)) for size in p.transport_sizes]
+        starts["bare-grpc"] = children.role("bare-grpc", "bare-grpc", 1, "--payload-bytes", *payloads,
+                                            str(item_bytes(SMALL)))  # fmt: skip
+        starts["zmq-push"] = children.role("zmq-push", "zmq-push", 1, "--payload-bytes", *payloads)
+        ctx.mooncake_skipped = mooncake_available()
+        if ctx.mooncake_skipped is None:
+            starts["mooncake"] = children.role("mooncake", "mooncake-target", 1, "--payload-bytes", *payloads)
+        else:
+            print(f"transport: Mooncake section skipped ({ctx.mooncake_skipped})", file=sys.stderr)
     if {"serving", "scale_out", "cache", "image_sizes"} & set(sections):
         ctx.models["tower"] = await asyncio.to_thread(
             write_tower_checkpoint, ctx.workdir / "tower", p.tower, p.device
@@ -696,26 +794,35 @@ async def start_processes(ctx: Context, sections: Sequence[str]) -> None:
 
 # Goals, table, JSON.
 
+TRANSPORT_GOALS = [  # per item size: (name, path in the size's results, target, at least (True) or at most)
+    *[(f"stream {mode.replace('_', ' ')} / best bare grpcio", ("stream_vs_best_bare", f"stream_{mode}"), 0.9, True)
+      for mode in ("cached_seq", "cached_x4", "computed_seq", "computed_x4")],
+    ("shared memory / zmq", ("shm_vs_zmq",), 2.0, True),
+    ("shared memory / memcpy", ("shm_vs_memcpy",), 0.3, True),
+    ("shared memory / stream one-item latency", ("shm_latency_vs_stream",), 0.5, False),
+]  # fmt: skip
 GOALS = [
-    # (name, section, path to the ratio, target)
-    ("transport 8 MiB: ours / bare grpcio", "transport", ("8MiB", "ours_vs_bare_grpc"), 0.9),
-    ("transport 32 MiB: ours / bare grpcio", "transport", ("32MiB", "ours_vs_bare_grpc"), 0.9),
-    ("serving: server / in-process", "serving", ("ratio",), 0.9),
-    ("batching: on / off", "batching", ("ratio",), 1.5),
-    ("scale-out: 2 processes / 1", "scale_out", ("ratio",), 1.7),
-    ("cache: miss / hit latency", "cache", ("speedup",), 20.0),
-]
+    # (name, section, path to the ratio, target, at least (True) or at most (False))
+    *[(f"transport {size // MiB} MiB: {name}", "transport", (f"{size // MiB}MiB", *path), target, at_least)
+      for size in (7 * MiB, 32 * MiB) for name, path, target, at_least in TRANSPORT_GOALS],
+    ("transport 64 tokens: one-item latency / bare grpcio", "transport", ("small", "ours_vs_bare_latency"), 1.3, False),
+    ("serving: server / in-process", "serving", ("ratio",), 0.9, True),
+    ("batching: on / off", "batching", ("ratio",), 1.5, True),
+    ("scale-out: 2 processes / 1", "scale_out", ("ratio",), 1.7, True),
+    ("cache: miss / hit latency", "cache", ("speedup",), 20.0, True),
+]  # fmt: skip
 
 
 def goals(results: dict) -> list[dict]:
     out = []
-    for name, section, path, target in GOALS:
-        if section not in results:
-            continue
-        value = results[section]
+    for name, section, path, target, at_least in GOALS:
+        value = results.get(section)
         for key in path:
-            value = value[key]
-        out.append({"goal": name, "target": target, "measured": value, "met": value >= target})
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None:
+            continue
+        met = value >= target if at_least else value <= target
+        out.append({"goal": name, "target": target, "at_least": at_least, "measured": value, "met": met})
     return out
 
 
@@ -730,19 +837,23 @@ RATE_ROWS = [  # section, figure, (key, label) of ours, (key, label) of the base
 def table(results: dict) -> str:
     rows: list[tuple[str, str, str, str]] = []
     if "transport" in results:
-        for size, r in results["transport"].items():
-            g = r["gbps"]
-            rows.append((f"transport {size} bf16", f"ours {g['ours_cached']:.2f} GB/s",
-                         f"bare grpcio {g['bare_grpc']:.2f} / zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} GB/s",
-                         f"{r['ours_vs_bare_grpc']:.2f}x / {r['ours_vs_zmq']:.2f}x / {r['ours_vs_memcpy']:.3f}x"))
-            rows.append((f"  computed (miss) {size}", f"ours {g['ours_computed']:.2f} GB/s",
-                         f"bare grpcio {g['bare_grpc']:.2f} GB/s", f"{r['ours_computed_vs_bare_grpc']:.2f}x"))
-            rows.append((f"  server malloc {size}", f"tuned {g['ours_computed']:.2f} GB/s",
-                         f"glibc default {g['ours_computed_server_malloc_default']:.2f} GB/s",
-                         f"{r['server_malloc_tuned_vs_default']:.2f}x"))
-            rows.append((f"  receive buffer {size}", f"huge pages {g['bare_grpc']:.2f} GB/s",
-                         f"torch.empty {g['bare_grpc_torch_empty']:.2f} GB/s",
-                         f"{r['receiver_huge_pages_vs_torch_empty']:.2f}x"))  # fmt: skip
+        t = results["transport"]
+        for size in (k for k in t if k.endswith("MiB")):
+            r, g = t[size], t[size]["gbps"]
+            best_bare = f"bare grpcio {max(g['bare_seq'], g['bare_x4']):.2f} GB/s (seq {g['bare_seq']:.2f}, x{IN_FLIGHT} {g['bare_x4']:.2f})"
+            for mode in ("cached_seq", "cached_x4", "computed_seq", "computed_x4"):
+                rows.append((f"stream {size} {mode.replace('_', ' ')}", f"ours {g[f'stream_{mode}']:.2f} GB/s", best_bare,
+                             f"{r['stream_vs_best_bare'][f'stream_{mode}']:.2f}x"))
+            rows.append((f"shared memory {size}", f"ours {g['shm']:.2f} GB/s",
+                         f"zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} GB/s", f"{r['shm_vs_zmq']:.2f}x / {r['shm_vs_memcpy']:.2f}x"))
+            rows.append((f"  one item {size}", f"shared memory {r['shm_latency_ms']:.2f} ms",
+                         f"stream {r['stream_latency_ms']:.2f} ms", f"{r['shm_latency_vs_stream']:.2f}x"))
+            if "mooncake_gbps" in r:
+                rows.append((f"  mooncake tcp {size}", f"stream {g['stream_cached_seq']:.2f} GB/s",
+                             f"mooncake {r['mooncake_gbps']:.2f} GB/s", f"{r['stream_vs_mooncake']:.2f}x"))
+        small = t["small"]
+        rows.append((f"small item ({small['tokens']} tokens, cached)", f"ours {small['ours_ms']['median']:.2f} ms",
+                     f"bare grpcio {small['bare_ms']['median']:.2f} ms", f"{small['ours_vs_bare_latency']:.2f}x"))  # fmt: skip
     for section, figure, (ours, ours_label), (base, base_label) in RATE_ROWS:
         if section in results:
             r = results[section]
@@ -764,7 +875,8 @@ def table(results: dict) -> str:
     lines.append(f"ratios: median over {results['profile']['rounds']} rounds of pairs measured in the same round; load average "
                  f"{load['load_average_before'][0]:.1f} before, {load['load_average_after'][0]:.1f} after")  # fmt: skip
     for g in results.get("goals", []):
-        lines.append(f"goal {g['goal']} >= {g['target']}: {g['measured']:.2f} {'met' if g['met'] else 'NOT met'}")
+        sign = ">=" if g["at_least"] else "<="
+        lines.append(f"goal {g['goal']} {sign} {g['target']}: {g['measured']:.2f} {'met' if g['met'] else 'NOT met'}")
     return "\n".join(lines)
 
 
@@ -812,10 +924,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", type=Path, help="keep models and logs here (default: a temp dir)")
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--payload-bytes", type=int, nargs="+", help=argparse.SUPPRESS)
-    parser.add_argument("--chunk-bytes", type=int, default=wire.CHUNK_BYTES, help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help=argparse.SUPPRESS)
-    parser.add_argument("--no-tune-malloc", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
         ROLES[args.role](args)

@@ -15,7 +15,6 @@ from PIL import Image
 from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 
 GATE_TIMEOUT_S = 30.0
-PIXELS = "pixels"
 
 
 class EncoderDouble(VisionEncoder):
@@ -23,9 +22,8 @@ class EncoderDouble(VisionEncoder):
 
     Outputs come from `inner` (a real tower) when given. Otherwise they are made up, with no compute,
     so that what a benchmark times is the server, the wire and the receiver:
-    - `tokens=n`: every image gives n rows, seeded by the image's width (items stay distinguishable),
-      made once per width and reused like cache hits;
-    - `tokens="pixels"`: an image of w x h pixels gives w*h rows of one fixed table (`max_tokens` rows).
+    `tokens=n`: every image gives n rows, seeded by the image's width (items stay distinguishable),
+    made once per width and reused like cache hits.
 
     Switches: `hold()` / `release()` a gate that forwards wait at (`release(forwards=n)` lets n more
     through; `hold(from_width=w)` holds only images at least w wide; `in_forward` is set while one waits
@@ -38,11 +36,10 @@ class EncoderDouble(VisionEncoder):
         self,
         inner: VisionEncoder | None = None,
         *,
-        tokens: int | str | None = None,
+        tokens: int | None = None,
         hidden_size: int = 2048,
         dtype: torch.dtype = torch.bfloat16,
         num_deepstack_layers: int = 0,
-        max_tokens: int = 0,
         forward_s: float = 0.0,
         miscount_width: int | None = None,
     ):
@@ -71,7 +68,6 @@ class EncoderDouble(VisionEncoder):
             patch_size=14, spatial_merge_size=2, temporal_patch_size=2, num_deepstack_layers=num_deepstack_layers,
             weights_fingerprint=hashlib.sha256(name.encode()).hexdigest(), preprocess_fingerprint=name,
         )  # fmt: skip
-        self._table = torch.randn(max_tokens, hidden_size).to(dtype) if tokens == PIXELS else None
 
     @property
     def items_forwarded(self) -> int:
@@ -134,8 +130,6 @@ class EncoderDouble(VisionEncoder):
                 self.batches.append(len(batch))
             if self.inner is not None:
                 return self.inner.encode(batch)
-            if self._table is not None:
-                return [ImageEmbedding(self._table[: prepared.num_tokens]) for prepared in batch]
             return [self.output(int(prepared.pixel_values[0])) for prepared in batch]
         finally:
             self.in_forward.clear()
@@ -153,11 +147,5 @@ class EncoderDouble(VisionEncoder):
         return self._outputs[width]
 
     def _made_up_preprocess(self, image: Image.Image) -> PreparedImage:
-        width, height = image.size
-        if self._table is not None:
-            n = width * height
-            if n > len(self._table):
-                raise ValueError(f"a {width}x{height} image needs {n} rows; the table has {len(self._table)}")
-            return PreparedImage(torch.empty(0), (1, 2 * height, 2 * width), num_tokens=n, num_patches=4 * n)
         n = int(self.tokens)  # grid (1, 2, 2n) merges 2x2 into n tokens
-        return PreparedImage(torch.tensor([width]), (1, 2, 2 * n), num_tokens=n, num_patches=4 * n)
+        return PreparedImage(torch.tensor([image.width]), (1, 2, 2 * n), num_tokens=n, num_patches=4 * n)

@@ -1,9 +1,12 @@
-"""Encoder servers in this process, on 127.0.0.1 and an OS-chosen port, for the tests and benchmarks."""
+"""Encoder servers in this process, on 127.0.0.1 and an OS-chosen port, for the tests and benchmarks,
+and waiting for what a server does in the background."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import torch
@@ -31,3 +34,13 @@ async def running_server(model_dir: Path, encoder=None, **overrides) -> AsyncIte
         yield server
     finally:
         await server.stop(grace=0.5)
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """Polls `predicate` on the event loop until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True

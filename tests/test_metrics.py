@@ -186,9 +186,10 @@ async def test_shared_memory_stats_are_exported(default_model_dir):
         at_rest = scrape(server.metrics_port)
         async with EncoderReceiver([server.url], transfer="shm") as rx:
             result = await rx.encode("shm-metrics", images)
-        assert server.shm.outstanding() == []  # the receiver released both segments; the server saw it
+        sizes = [item.embedding.numel() * item.embedding.element_size() for item in result.items]
+        del result  # the items' tensors are views of their segments: freeing them releases both
+        assert server.shm.outstanding() == []  # the server saw the receiver release both segments
         samples = scrape(server.metrics_port)
-    sizes = [item.embedding.numel() * item.embedding.element_size() for item in result.items]
     assert value(at_rest, "encoder_shm_items_total") == 0 and value(at_rest, "encoder_shm_pool_segments") == 0
     assert value(samples, "encoder_shm_items_total") == 2
     assert value(samples, "encoder_shm_bytes_total") == sum(sizes[1:])

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 import stat
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -30,7 +30,7 @@ from testkit import REPO_ROOT
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.launcher import launch_server
-from testkit.servers import running_server
+from testkit.servers import running_server, wait_until
 
 # 600 tokens x 2048 bf16, plus one deepstack layer: 4.9 MB, over gRPC's 4 MiB message limit.
 NUM_TOKENS = 600
@@ -55,15 +55,6 @@ def files_of(instance: str) -> list[str]:
 
 def segments_of(instance: str) -> list[str]:
     return [name for name in files_of(instance) if ".seg." in name]
-
-
-async def wait_until(predicate, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.05)
-    return True
 
 
 def assert_same_bytes(got, want) -> None:
@@ -128,10 +119,12 @@ async def test_real_model_results_are_byte_identical_to_the_grpc_stream(default_
             stats = rx.transfer_stats
         async with EncoderReceiver([server.url], transfer="grpc") as rx:
             over_grpc = await rx.encode("grpc", images)
-        assert server.shm.stats.items == 3 and server.shm.outstanding() == []
-    assert stats.items_shm == 3 and stats.items_grpc == 0
-    assert over_shm.items[-1].embedding.numel() * 4 > 4 << 20
-    assert_same_bytes(over_shm, over_grpc)
+        assert server.shm.stats.items == 3 and len(server.shm.outstanding()) == 3  # under the results
+        assert stats.items_shm == 3 and stats.items_grpc == 0
+        assert over_shm.items[-1].embedding.numel() * 4 > 4 << 20
+        assert_same_bytes(over_shm, over_grpc)
+        del over_shm
+        assert server.shm.outstanding() == []
 
 
 async def test_bf16_with_deepstack_is_byte_identical_and_lands_in_each_items_slot(shm_server):
@@ -151,6 +144,44 @@ async def test_bf16_with_deepstack_is_byte_identical_and_lands_in_each_items_slo
             want = encoder.output(20 + i + k)
             assert torch.equal(item.embedding, want.embedding) and torch.equal(item.deepstack, want.deepstack)
     assert stats.items_shm == 5 + 18 and stats.bytes_shm == 23 * ITEM_BYTES and not stats.fallbacks
+
+
+async def test_results_are_views_of_their_segments_that_outlive_the_call_and_free_them_when_gone(
+    default_model_dir,
+):
+    """The zero-copy result is an ordinary tensor: kept, changed in place, pickled, kept past the
+    receiver's close; its segment is never rewritten while it lives, and released when it goes."""
+    async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig()) as server:
+        instance = server.shm.instance
+        async with EncoderReceiver([server.url], transfer="shm") as rx:
+            kept = (await rx.encode("kept", items(1))).items[0]
+            assert len(segments_of(instance)) == 1  # held by `kept`
+            want = server.encoder.output(8)
+            for i in range(4):  # every later item needs another segment: `kept`'s is not reused
+                (other,) = (await rx.encode(f"other-{i}", items(1, first_width=30 + i))).items
+                assert torch.equal(other.embedding, server.encoder.output(30 + i).embedding)
+            del other
+            assert len(segments_of(instance)) == 1 and server.shm.outstanding() == [segments_of(instance)[0]]
+        assert torch.equal(kept.embedding, want.embedding) and torch.equal(kept.deepstack, want.deepstack)
+        assert torch.equal(pickle.loads(pickle.dumps(kept.embedding)), want.embedding)
+        kept.embedding.mul_(2)  # in place, like any tensor
+        assert torch.equal(kept.embedding, want.embedding * 2)
+        del kept
+        assert await wait_until(lambda: segments_of(instance) == [] and server.shm.outstanding() == [])
+        assert server.shm.stats.reclaimed_timeout == 0 and server.shm.stats.reclaimed_cancel == 0
+
+
+async def test_a_segment_held_past_the_release_timeout_leaves_the_pool_and_stays_intact(default_model_dir):
+    async with running_server(
+        default_model_dir, encoder=fixed_encoder(), shm=ShmConfig(release_timeout_s=0.5)
+    ) as server:
+        async with EncoderReceiver([server.url], transfer="shm") as rx:
+            kept = (await rx.encode("kept", items(1))).items[0]
+            assert await wait_until(lambda: server.shm.stats.reclaimed_timeout == 1)
+            assert segments_of(server.shm.instance) == [] and server.shm.pool_bytes == 0
+            for i in range(3):  # new segments for these: the timed-out one is never written again
+                await rx.encode(f"other-{i}", items(1, first_width=40 + i))
+        assert torch.equal(kept.embedding, server.encoder.output(8).embedding)
 
 
 async def test_no_segment_left_after_normal_use_and_nothing_after_stop(default_model_dir):
@@ -451,11 +482,15 @@ class TestRefusal:
         os.close(fd)
         return header, path
 
-    def test_a_matching_segment_is_read_and_unlinked(self, shm):
+    def test_a_matching_segment_is_viewed_and_unlinked_once_its_tensor_is_gone(self, shm):
         header, path = self.announce(shm)
-        into = torch.zeros(512, dtype=torch.uint8).numpy()
-        assert shm.take("req", header, into) is Placement.FILLED
-        assert into.tobytes() == self.PAYLOAD and not path.exists()
+        placement, payload = shm.take("req", header)
+        assert placement is Placement.FILLED and payload.numpy().tobytes() == self.PAYLOAD
+        half = payload[256:]
+        del payload
+        assert path.exists()  # a view still uses the segment
+        del half
+        assert not path.exists()
 
     @pytest.mark.parametrize(
         "change, reason",
@@ -469,23 +504,20 @@ class TestRefusal:
     )
     def test_a_mismatching_segment_is_refused_unread(self, shm, change, reason):
         header, path = self.announce(shm, **change)
-        into = torch.zeros(512, dtype=torch.uint8).numpy()
-        assert shm.take("req", header, into) is Placement.REFETCH
-        assert not into.any() and shm.stats.fallbacks == {reason: 1}
-        path.unlink(missing_ok=True)
+        assert shm.take("req", header) == (Placement.REFETCH, None)
+        assert shm.stats.fallbacks == {reason: 1} and not path.exists()  # released at once
 
     def test_a_missing_segment_or_a_wrong_proof_is_refused(self, shm):
         header, path = self.announce(shm)
         path.unlink()
-        into = torch.zeros(512, dtype=torch.uint8).numpy()
-        assert shm.take("req", header, into) is Placement.REFETCH
+        assert shm.take("req", header) == (Placement.REFETCH, None)
         header, path = self.announce(shm)
-        assert shm.take("another request", header, into) is Placement.REFETCH  # the proof binds the request
-        assert path.exists() and not into.any()  # an unproven name is not touched
+        assert shm.take("another request", header) == (Placement.REFETCH, None)  # the proof binds the request
+        assert path.exists()  # an unproven name is not touched
         assert shm.stats.fallbacks == {"missing": 1, "bad_proof": 1}
         shm.strict = True
         with pytest.raises(SharedMemoryUnavailableError, match="proof does not match"):
-            shm.take("another request", header, into)
+            shm.take("another request", header)
         path.unlink()
 
 

@@ -39,6 +39,7 @@ from ..config import ServerConfig
 from ..metrics import ServerMetrics
 from ..payload import ItemPayload
 from ..pipeline import ItemPipeline
+from ..streams import StreamBudget, StreamCharge
 from .config import SglangConfig
 from .embedding_data import HTTP_BAD_REQUEST, PartMeta, embedding_data_pickle
 from .items import read_item
@@ -147,8 +148,9 @@ class _Part:
 class SglangEncoderServicer:
     """Serves SGLang's contract with the native Encode's item pipeline (same cache, batcher) and metrics."""
 
-    def __init__(self, pipeline: ItemPipeline, server_config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, pipeline: ItemPipeline, server_config: ServerConfig, metrics: ServerMetrics, streams: StreamBudget):
         self.pipeline = pipeline
+        self.streams = streams
         self.server_config = server_config
         self.config: SglangConfig = server_config.sglang
         self.metrics = metrics
@@ -194,10 +196,13 @@ class SglangEncoderServicer:
         any failure, the call's cancellation included, the receiver is told (see _tell_failure)."""
         with self.metrics.record(request.req_id, len(request.mm_items), context) as record:
             endpoints: list[str] = []
+            charge = None  # the part's bytes count in the stream budget until pushed
             try:
                 _check(request, self.server_config.max_items_per_request)
                 endpoints = [_endpoint(request.prefill_host, port) for port in request.embedding_port]
-                part = await self._encode_part(request)
+                await self.streams.admit()
+                charge = self.streams.call()
+                part = await self._encode_part(request, charge)
                 if not endpoints:  # zmq_to_scheduler: the receiving ranks register their URLs
                     remaining = context.time_remaining()
                     timeout = self.config.receive_url_timeout_s
@@ -205,6 +210,7 @@ class SglangEncoderServicer:
                         timeout = min(timeout, remaining)
                     endpoints = [_endpoint_of_url(url) for url in await self.receive_urls.wait(request.req_id, timeout)]
                 started = time.perf_counter()
+                charge.sending_since = time.monotonic()  # the budget's watchdog cuts a push stuck past its stall limit
                 await asyncio.gather(*(self._push(endpoint, [part.meta, part.tensor]) for endpoint in endpoints))
                 push_s = time.perf_counter() - started
             except BaseException as exc:
@@ -212,12 +218,14 @@ class SglangEncoderServicer:
                 raise
             finally:
                 self.receive_urls.forget(request.req_id)
+                if charge is not None:
+                    charge.close()
             for index, header in enumerate(part.headers):
                 frames = header.payload_bytes + (len(part.meta) if index == 0 else 0)
                 record.item_sent(header, response_bytes=frames * len(endpoints), stream_s=push_s)
         return sglang_pb.EncodeResponse(embedding_size=len(part.tensor), embedding_len=part.tokens, embedding_dim=part.width)
 
-    async def _encode_part(self, request: sglang_pb.EncodeRequest) -> _Part:
+    async def _encode_part(self, request: sglang_pb.EncodeRequest, charge: StreamCharge) -> _Part:
         """Reads, admits and encodes a part's items (through the cache and batcher), then joins them."""
         pipeline = self.pipeline
         loop = asyncio.get_running_loop()
@@ -232,7 +240,7 @@ class SglangEncoderServicer:
             failed = next(i for i, r in enumerate(reads) if r.done() and r.exception() is exc)
             raise InvalidItemError(f"item {failed}: {exc}") from None
         items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=data) for i, data in enumerate(datas)]
-        async with contextlib.aclosing(pipeline.payloads(items)) as payloads:
+        async with contextlib.aclosing(pipeline.payloads(items, charge)) as payloads:
             return _join(request, [payload async for _, payload, _, _ in payloads])
 
     async def _push(self, endpoint: str, frames: list[bytes], timeout_s: float | None = None) -> None:
