@@ -170,3 +170,8 @@ def _add_option(parser: argparse.ArgumentParser, option: _Option, optional: bool
     if spec.choices is not None:
         kwargs["choices"] = list(spec.choices)
     parser.add_argument(option.name, **kwargs)
+
+
+def comma_separated(text: str) -> tuple[str, ...]:
+    """A flag's comma-separated list as a tuple, blanks around and between the commas dropped."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())

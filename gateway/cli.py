@@ -9,78 +9,24 @@ import signal
 import sys
 from pathlib import Path
 
-from encoder_common.env_flags import EnvDefaultsParser
+from encoder_common import env_flags
+from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
+
+from .config import GatewayConfig
 
 ENV_PREFIX = "ENCODER_GATEWAY_"
 
 
 def build_parser() -> EnvDefaultsParser:
+    """One flag per GatewayConfig setting (defaults and help from its fields), then the files the TLS
+    credentials and the token are read from, and --log-level."""
     p = EnvDefaultsParser(
         prog="encoder-gateway",
         env_prefix=ENV_PREFIX,
         description="OpenAI-compatible chat-completions front for vLLM: images are encoded on encoder servers "
         "and handed to the engine as embeddings (start vLLM with --enable-mm-embeds).",
     )
-    p.add_argument("--engine-url", required=True, help="the vLLM OpenAI server, e.g. http://127.0.0.1:8000")
-    p.add_argument(
-        "--encoders",
-        required=True,
-        help="encoder URLs, comma-separated: grpc://host:port, grpcs://host:port, or dns:///name:port",
-    )
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--port", type=int, default=9000, help="port to listen on (0: any free port)")
-    p.add_argument(
-        "--encode-timeout", type=float, default=60.0, help="deadline of one request's encode, seconds"
-    )
-    p.add_argument(
-        "--engine-timeout",
-        type=float,
-        default=None,
-        help="deadline of one engine call, seconds (default: none)",
-    )
-    p.add_argument(
-        "--file-roots",
-        default="",
-        help="directories file:// image URLs may read from, comma-separated (default: file:// refused)",
-    )
-    p.add_argument(
-        "--allow-internal-urls",
-        action="store_true",
-        help="let http(s) image URLs reach loopback, private and link-local addresses (refused by default)",
-    )
-    p.add_argument(
-        "--max-fetch-bytes", type=int, default=32 << 20, help="largest image accepted from a URL or file"
-    )
-    p.add_argument(
-        "--fetch-timeout", type=float, default=10.0, help="time limit of one http(s) image download, seconds"
-    )
-    p.add_argument(
-        "--pass-non-image",
-        action="store_true",
-        help="forward video/audio parts to the engine untouched instead of answering 400",
-    )
-    p.add_argument(
-        "--retry-after", type=int, default=1, help="Retry-After seconds of a 503 for overloaded encoders"
-    )
-    p.add_argument(
-        "--transfer",
-        default="auto",
-        choices=["auto", "shm", "grpc"],
-        help="how embeddings come back from encoders",
-    )
-    p.add_argument(
-        "--handoff",
-        default="inline",
-        choices=["inline", "connector"],
-        help="how embeddings reach vLLM: inline (image_embeds parts in the request) or connector (vLLM runs "
-        "receiver.vllm_connector as ec_consumer and fetches them from the encoders)",
-    )
-    p.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=60.0,
-        help="with --handoff connector: seconds encoders keep an item for the engine's fetch",
-    )
+    add_config_flags(p, GatewayConfig)
     p.add_argument(
         "--tls-ca-file", default=None, help="PEM CAs to trust for grpcs:// encoders (default: the system's)"
     )
@@ -95,11 +41,9 @@ def build_parser() -> EnvDefaultsParser:
     return p
 
 
-def config_from_args(args):
+def config_from_args(args) -> GatewayConfig:
+    """The GatewayConfig the parsed flags describe, with the TLS and token files read."""
     from receiver import ClientTls
-
-    from .config import GatewayConfig
-    from .sources import SourcePolicy
 
     tls = None
     if args.tls_ca_file or args.tls_cert_file or args.tls_key_file:
@@ -112,27 +56,7 @@ def config_from_args(args):
         auth_token = lines[0].strip() if lines else ""
         if not auth_token:
             raise ValueError(f"{args.auth_token_file} holds no token")
-    return GatewayConfig(
-        engine_url=args.engine_url,
-        encoders=tuple(url.strip() for url in args.encoders.split(",") if url.strip()),
-        host=args.host,
-        port=args.port,
-        encode_timeout_s=args.encode_timeout,
-        engine_timeout_s=args.engine_timeout,
-        sources=SourcePolicy(
-            file_roots=tuple(Path(root) for root in args.file_roots.split(",") if root.strip()),
-            allow_internal_urls=args.allow_internal_urls,
-            max_fetch_bytes=args.max_fetch_bytes,
-            fetch_timeout_s=args.fetch_timeout,
-        ),
-        pass_non_image=args.pass_non_image,
-        retry_after_s=args.retry_after,
-        tls=tls,
-        auth_token=auth_token,
-        transfer=args.transfer,
-        handoff=args.handoff,
-        lease_ttl_s=args.lease_ttl,
-    )
+    return env_flags.config_from_args(GatewayConfig, args, tls=tls, auth_token=auth_token)
 
 
 async def serve(config) -> None:

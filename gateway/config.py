@@ -1,27 +1,60 @@
-"""Everything an `encoder-gateway` is started with: the CLI builds it, `app.build_app` takes it whole."""
+"""Everything an `encoder-gateway` is started with: the CLI builds its flags from these fields (defaults
+and help), and `app.build_app` takes it whole."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from receiver import ClientTls
+from encoder_common.env_flags import comma_separated, flag, section
 
 from .sources import SourcePolicy
+
+if TYPE_CHECKING:  # the receiver pulls torch: not imported to build the parser (--help stays fast)
+    from receiver import ClientTls
 
 
 @dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
-    engine_url: str  # the vLLM OpenAI server, e.g. http://127.0.0.1:8000
-    encoders: tuple[str, ...]  # grpc://, grpcs:// or dns:/// encoder URLs
-    host: str = "0.0.0.0"
-    port: int = 9000
-    encode_timeout_s: float = 60.0  # deadline of one request's encode, retries included
-    engine_timeout_s: float | None = None  # whole engine call; None: as long as the engine takes
-    sources: SourcePolicy = field(default_factory=SourcePolicy)
-    pass_non_image: bool = False  # forward video/audio parts untouched instead of refusing them
-    retry_after_s: int = 1  # Retry-After of a 503 for overloaded encoders
-    tls: ClientTls | None = None  # for grpcs:// encoders
-    auth_token: str | None = None  # bearer token sent to the encoders
-    transfer: str = "auto"  # "auto", "shm" or "grpc": how embeddings come back from encoders on this host
-    handoff: str = "inline"  # "inline": embeddings in the chat request; "connector": vLLM fetches them
-    lease_ttl_s: float = 60.0  # "connector": how long encoders keep an item for the engine's fetch
+    engine_url: str = field(metadata=flag("the vLLM OpenAI server, e.g. http://127.0.0.1:8000"))
+    encoders: tuple[str, ...] = field(
+        metadata=flag(
+            "encoder URLs, comma-separated: grpc://host:port, grpcs://host:port, or dns:///name:port",
+            type=comma_separated,
+        )
+    )
+    host: str = field(default="0.0.0.0", metadata=flag("address to listen on"))
+    port: int = field(default=9000, metadata=flag("port to listen on (0: any free port)"))
+    encode_timeout_s: float = field(  # retries included
+        default=60.0, metadata=flag("deadline of one request's encode, seconds", name="--encode-timeout")
+    )
+    engine_timeout_s: float | None = field(  # the whole engine call; None: as long as the engine takes
+        default=None,
+        metadata=flag("deadline of one engine call, seconds (default: none)", name="--engine-timeout", type=float),
+    )
+    sources: SourcePolicy = field(default_factory=SourcePolicy, metadata=section())
+    pass_non_image: bool = field(
+        default=False, metadata=flag("forward video/audio parts to the engine untouched instead of answering 400")
+    )
+    retry_after_s: int = field(
+        default=1, metadata=flag("Retry-After seconds of a 503 for overloaded encoders", name="--retry-after")
+    )
+    tls: ClientTls | None = None  # for grpcs:// encoders; the CLI reads it from --tls-*-file
+    auth_token: str | None = None  # bearer token sent to the encoders; the CLI reads it from --auth-token-file
+    transfer: str = field(  # "shm" applies to encoders on this host
+        default="auto", metadata=flag("how embeddings come back from encoders", choices=("auto", "shm", "grpc"))
+    )
+    handoff: str = field(
+        default="inline",
+        metadata=flag(
+            "how embeddings reach vLLM: inline (image_embeds parts in the request) or connector (vLLM runs "
+            "receiver.vllm_connector as ec_consumer and fetches them from the encoders)",
+            choices=("inline", "connector"),
+        ),
+    )
+    lease_ttl_s: float = field(
+        default=60.0,
+        metadata=flag(
+            "with --handoff connector: seconds encoders keep an item for the engine's fetch", name="--lease-ttl"
+        ),
+    )

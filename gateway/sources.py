@@ -3,10 +3,11 @@ http(s) URLs fetched with a size cap, a timeout, no redirects and (unless allowe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from encoder_common.data_uri import decode_data_uri
+from encoder_common.env_flags import comma_separated, flag
 from encoder_common.errors import InvalidItemError
 from encoder_common.file_url import read_file_url
 from encoder_common.http_fetch import fetch_http
@@ -14,12 +15,29 @@ from encoder_common.http_fetch import fetch_http
 from .protocol import ImagePart
 
 
+def root_paths(text: str) -> tuple[Path, ...]:
+    """--file-roots: comma-separated directories."""
+    return tuple(Path(root) for root in comma_separated(text))
+
+
 @dataclass(frozen=True, kw_only=True)
 class SourcePolicy:
-    file_roots: tuple[Path, ...] = ()  # directories file:// URLs may read from; none refuses file://
-    allow_internal_urls: bool = False  # let http(s) URLs reach loopback, private and link-local addresses
-    max_fetch_bytes: int = 32 << 20  # largest image accepted from a URL or file
-    fetch_timeout_s: float = 10.0  # whole download of one http(s) image
+    file_roots: tuple[Path, ...] = field(  # none refuses file://
+        default=(),
+        metadata=flag(
+            "directories file:// image URLs may read from, comma-separated (default: file:// refused)",
+            type=root_paths,
+            shown=lambda roots: ",".join(map(str, roots)),
+        ),
+    )
+    allow_internal_urls: bool = field(
+        default=False,
+        metadata=flag("let http(s) image URLs reach loopback, private and link-local addresses (refused by default)"),
+    )
+    max_fetch_bytes: int = field(default=32 << 20, metadata=flag("largest image accepted from a URL or file"))
+    fetch_timeout_s: float = field(
+        default=10.0, metadata=flag("time limit of one http(s) image download, seconds", name="--fetch-timeout")
+    )
 
 
 def part_bytes(part: ImagePart, policy: SourcePolicy) -> bytes:

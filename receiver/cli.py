@@ -13,6 +13,9 @@ from pathlib import Path
 
 from encoder_common.env_flags import EnvDefaultsParser
 
+# Importing receiver.cli runs receiver/__init__, which imports .client already: this costs --help nothing.
+from .client import DEFAULT_TIMEOUT_S
+
 ENV_PREFIX = "ENCODER_CLIENT_"
 
 
@@ -29,7 +32,7 @@ def build_parser() -> EnvDefaultsParser:
         help="encoder URLs, comma-separated: grpc://host:port, or dns:///name:port for every address behind a name",
     )
     p.add_argument("--request-id", default=None, help="request id sent to the encoders (a random one if unset)")
-    p.add_argument("--timeout", type=float, default=60.0, help="deadline of the whole call, in seconds")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of the whole call, in seconds")
     p.add_argument("--seed", type=int, default=None, help="seeds the random sharding across encoders")
     p.add_argument("--save", default=None, help="write the embeddings to this .safetensors file")
     p.add_argument("--info", action="store_true", help="print each encoder's GetModelInfo first")

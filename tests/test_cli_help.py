@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from encoder_common.env_flags import config_from_args
+from encoder_common.env_flags import comma_separated, config_from_args
 from encoder_server import cli
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig, port_or_off
@@ -23,6 +23,9 @@ from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli
 from encoder_server import precompute
 from gateway import cli as gateway_cli
+from gateway import sources as gateway_sources
+from gateway.config import GatewayConfig
+from gateway.sources import root_paths
 from testkit import REPO_ROOT
 
 # command -> (module, parser builder, env prefix, arguments a valid command line needs)
@@ -93,8 +96,17 @@ def sample_value(action: argparse.Action) -> tuple[str, object]:
         return "9100", 9100
     if action.type is Path:
         return "/from-env", Path("/from-env")
+    if action.type is comma_separated:
+        return "a, b", ("a", "b")
+    if action.type is root_paths:
+        return "/a,/b", (Path("/a"), Path("/b"))
     assert action.type is None, f"add a sample for {action.option_strings} (type {action.type})"
     return "from-env", "from-env"
+
+
+def flag_text(value: object) -> str:
+    """What to write on the command line for a parsed value: a tuple as its comma-separated items."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -118,7 +130,7 @@ def test_every_flag_reads_its_environment_variable(command, monkeypatch):
         if not isinstance(action, argparse._StoreTrueAction) and defaults[action.dest] is not None:
             with monkeypatch.context() as env:
                 env.setenv(env_name(prefix, action), raw)
-                flag = [action.option_strings[-1], str(defaults[action.dest])]
+                flag = [action.option_strings[-1], flag_text(defaults[action.dest])]
                 parsed = vars(build().parse_args([*required_args, *flag]))
             assert parsed[action.dest] == defaults[action.dest], action.option_strings
 
@@ -154,6 +166,26 @@ def test_the_precompute_flags_build_its_settings_with_their_own_defaults(monkeyp
     args = precompute.build_parser().parse_args(["images/", "--out", "/cache", "--no-progress", "--dtype", "float16"])
     settings = config_from_args(precompute.PrecomputeSettings, args)
     assert settings.progress is False and settings.dtype == "float16" and settings.batch_size == 8
+
+
+def test_the_gateway_flags_build_its_config_with_the_configs_own_defaults(monkeypatch):
+    clear_env(monkeypatch, "encoder-gateway")
+    required = ["--engine-url", "http://engine:8000", "--encoders", "grpc://a:1, grpc://b:2"]
+    config = gateway_cli.config_from_args(gateway_cli.build_parser().parse_args(required))
+    assert config == GatewayConfig(engine_url="http://engine:8000", encoders=("grpc://a:1", "grpc://b:2"))
+    flags = ["--file-roots", "/srv,/data", "--encode-timeout", "5", "--engine-timeout", "30", "--pass-non-image"]
+    flags += ["--handoff", "connector", "--retry-after", "3"]
+    config = gateway_cli.config_from_args(gateway_cli.build_parser().parse_args([*required, *flags]))
+    assert config == GatewayConfig(
+        engine_url="http://engine:8000",
+        encoders=("grpc://a:1", "grpc://b:2"),
+        encode_timeout_s=5.0,
+        engine_timeout_s=30.0,
+        sources=gateway_sources.SourcePolicy(file_roots=(Path("/srv"), Path("/data"))),
+        pass_non_image=True,
+        handoff="connector",
+        retry_after_s=3,
+    )
 
 
 def test_boolean_env_values(monkeypatch):
