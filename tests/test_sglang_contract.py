@@ -136,6 +136,7 @@ async def test_deepstack_layers_go_beside_the_embedding_as_sglang_splits_them(de
     "change,message",
     [
         (dict(req_id=""), "missing req_id"),
+        (dict(req_id="r" * 257), "req_id is 257 characters, over the limit of 256"),
         (dict(mm_items=[]), "missing or empty mm_items"),
         (dict(num_parts=0, part_idx=0), "num_parts must be a positive integer"),
         (dict(num_parts=2, part_idx=2), "part_idx must be in [0, 2)"),

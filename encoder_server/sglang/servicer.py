@@ -39,6 +39,7 @@ from ..config import ServerConfig
 from ..metrics import ServerMetrics
 from ..payload import ItemPayload
 from ..pipeline import ItemPipeline
+from ..servicer import MAX_REQUEST_ID_CHARS
 from ..streams import StreamBudget, StreamCharge
 from .config import SglangConfig
 from .embedding_data import HTTP_BAD_REQUEST, PartMeta, embedding_data_pickle
@@ -323,6 +324,10 @@ def _check(request: sglang_pb.EncodeRequest, max_items: int) -> None:
     """SGLang's own checks of an encode request, and this server's item limit."""
     if not request.req_id:
         raise InvalidItemError("missing req_id")
+    if len(request.req_id) > MAX_REQUEST_ID_CHARS:  # the native request_id's limit: it is logged too
+        raise InvalidItemError(
+            f"req_id is {len(request.req_id)} characters, over the limit of {MAX_REQUEST_ID_CHARS}"
+        )
     if not request.mm_items:
         raise InvalidItemError("missing or empty mm_items")
     if len(request.mm_items) > max_items:
