@@ -25,7 +25,7 @@ def test_llm_generate_with_helper_inputs_equals_raw_images(default_model_dir, tm
         run = subprocess.run(
             [
                 str(ENGINES_PYTHON),
-                str(REPO_ROOT / "tests" / "vllm_inprocess.py"),
+                str(REPO_ROOT / "testkit" / "vllm_inprocess.py"),
                 str(default_model_dir),
                 encoder.url,
                 *map(str, paths),

@@ -2,7 +2,7 @@
 the raw images (vLLM runs its own tower) and once with `gateway.handoff.multi_modal_data` of the items the
 encoder servers returned; prints one line, RESULT and JSON, comparing greedy ids and top logprobs.
 
-    python tests/vllm_inprocess.py MODEL_DIR ENCODER_URL IMAGE...
+    python testkit/vllm_inprocess.py MODEL_DIR ENCODER_URL IMAGE...
 """
 
 from __future__ import annotations
