@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
@@ -17,6 +16,7 @@ from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace, content_key
 from .payload import ItemPayload
 from .config import ServerConfig
+from .digests import DigestMemo
 from .images import decode_image
 from .models import PreparedImage, VisionEncoder
 from .sources import item_bytes
@@ -49,6 +49,7 @@ class ItemPipeline:
         self.config = config
         self.cache = cache
         self.namespace = cache_namespace(encoder.spec) if keys or cache is not None else None
+        self.digests = DigestMemo()
         self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
 
     async def payloads(
@@ -107,12 +108,15 @@ class ItemPipeline:
             admitted.done()
 
     def _read_item(self, item: pb.ImageItem) -> tuple[bytes, bytes | None]:
-        """The item's bytes and, when wanted, its content key; on a preprocessing thread unless small."""
+        """The item's bytes, checked against the content_sha256 it carries, and, when wanted, its content
+        key; on a preprocessing thread unless small."""
         data = item_bytes(item, self.config.sources)
-        if self.namespace is None:
+        if self.namespace is None and not item.content_sha256:
             return data, None
-        # item_bytes has checked a client's content_sha256 against the bytes: no need to hash them again.
-        return data, content_key(self.namespace, item.content_sha256 or hashlib.sha256(data).digest())
+        digest = self.digests.sha256(data)
+        if item.content_sha256 and digest != item.content_sha256:
+            raise InvalidItemError("content_sha256 does not match the item's bytes")
+        return data, None if self.namespace is None else content_key(self.namespace, digest)
 
     async def _compute(self, data: bytes, admitted: _Admission, charge: StreamCharge, index: int) -> ItemPayload:
         """Decode, preprocess, forward (batched with other calls' items) and frame one item.

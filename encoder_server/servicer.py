@@ -133,9 +133,6 @@ def check_request(request: pb.EncodeRequest, config: ServerConfig) -> None:
     indices = [item.index for item in request.items]
     if len(set(indices)) != len(indices):
         raise InvalidItemError(f"request repeats item indices: {indices}")
-    size = request.ByteSize()
-    if size > config.max_request_bytes:
-        raise InvalidItemError(f"request is {size} bytes, over the limit of {config.max_request_bytes}")
 
 
 def _maps_errors(method: Callable[..., AsyncIterator]) -> Callable[..., AsyncIterator]:
@@ -177,6 +174,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.streams = streams or StreamBudget(config.streams)
 
     def parse_Encode(self, raw: bytes) -> pb.EncodeRequest:
+        if len(raw) > self.config.max_request_bytes:  # refused before it is parsed
+            raise InvalidItemError(f"request is {len(raw)} bytes, over the limit of {self.config.max_request_bytes}")
         return parse_request(raw)
 
     def parse_Fetch(self, raw: bytes) -> pb.FetchRequest:

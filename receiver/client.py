@@ -330,8 +330,7 @@ class EncoderReceiver:
         if remaining <= 0:
             return shard_error(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before the call")
         call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
-        watch = _StallWatch(self.failover)
-        watchdog = asyncio.create_task(watch.run(endpoint, call))
+        watch = _StallWatch(self.failover, endpoint, call)
         try:
             async for message in call:
                 watch.last_message = time.monotonic()
@@ -350,7 +349,7 @@ class EncoderReceiver:
                 return shard_error(grpc.StatusCode.UNAVAILABLE, watch.reason)
             raise
         finally:
-            watchdog.cancel()
+            watch.stop()
         if assembler.refetch:  # their segments could not be read: the same items again, over the stream
             error = await self._run_shard(
                 request_id, endpoint, list(assembler.refetch), sources, arrived, placement, offer_shm=False, lease=lease
@@ -398,30 +397,45 @@ class EncoderReceiver:
 
 class _StallWatch:
     """Watches one call: after `stall_timeout_s` without a message it probes the encoder, and
-    cancels the call unless the probe answers SERVING (a busy encoder is left alone)."""
+    cancels the call unless the probe answers SERVING (a busy encoder is left alone).
 
-    __slots__ = ("policy", "last_message", "stalled", "reason")
+    A timer, not a task: a call that streams along costs one timer handle, and a probe task is made
+    only when the stream has been silent that long.
+    """
 
-    def __init__(self, policy: FailoverPolicy):
+    __slots__ = ("policy", "endpoint", "call", "last_message", "stalled", "reason", "_timer", "_probe")
+
+    def __init__(self, policy: FailoverPolicy, endpoint: EncoderEndpoint, call: grpc.aio.UnaryStreamCall):
         self.policy = policy
+        self.endpoint = endpoint
+        self.call = call
         self.last_message = time.monotonic()
         self.stalled = False
         self.reason = ""
+        self._probe: asyncio.Task | None = None
+        self._timer = asyncio.get_running_loop().call_later(policy.stall_timeout_s, self._check)
 
-    async def run(self, endpoint: EncoderEndpoint, call: grpc.aio.UnaryStreamCall) -> None:
-        stall = self.policy.stall_timeout_s
-        while True:
-            wait = self.last_message + stall - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-                continue
-            if await endpoint.is_serving(self.policy.probe_timeout_s):
-                self.last_message = time.monotonic()
-                continue
-            self.stalled = True
-            self.reason = f"no message for {stall:g} s and no SERVING answer to a health probe: abandoned"
-            call.cancel()
+    def _check(self) -> None:
+        wait = self.last_message + self.policy.stall_timeout_s - time.monotonic()
+        if wait > 0:
+            self._timer = asyncio.get_running_loop().call_later(wait, self._check)
+        else:
+            self._probe = asyncio.create_task(self._probe_encoder())
+
+    async def _probe_encoder(self) -> None:
+        if await self.endpoint.is_serving(self.policy.probe_timeout_s):
+            self.last_message = time.monotonic()
+            self._check()
             return
+        self.stalled = True
+        silence = self.policy.stall_timeout_s
+        self.reason = f"no message for {silence:g} s and no SERVING answer to a health probe: abandoned"
+        self.call.cancel()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._probe is not None:
+            self._probe.cancel()
 
 
 __all__ = ["ClientTls", "EncodeFailedError", "EncoderError", "EncoderReceiver", "FailoverPolicy"]

@@ -10,7 +10,9 @@ import grpc
 import pytest
 import torch
 
+from encoder_server import digests
 from encoder_server.cache import EmbeddingCache, cache_namespace
+from encoder_server.digests import DigestMemo
 from encoder_server.payload import ItemPayload
 from encoder_server.cli import build_parser
 from encoder_server.models import load_vision_encoder
@@ -260,3 +262,37 @@ async def test_cache_off_computes_every_time(default_model_dir, encoder):
             results = [(await rx.encode(f"off-{i}", [{"data": image}])).items[0] for i in range(2)]
     assert [r.cache_hit for r in results] == [False, False]
     assert encoder.items_forwarded == 2
+
+
+def test_digest_memo_gives_sha256_of_bytes_seen_before_without_hashing_them_again(monkeypatch):
+    memo = DigestMemo(max_bytes=1 << 20)
+    image = image_bytes(64, 64)
+    expected = hashlib.sha256(image).digest()
+    assert memo.sha256(image) == expected
+    hashed = []
+    real_sha256 = digests.hashlib.sha256
+    monkeypatch.setattr(digests.hashlib, "sha256", lambda data: hashed.append(data) or real_sha256(data))
+    again = bytes(bytearray(image))  # equal bytes in another object, as the next request brings them
+    assert memo.sha256(again) == expected
+    assert hashed == [] and memo.hits == 1
+
+
+def test_digest_memo_never_gives_a_digest_for_other_bytes_under_the_same_fast_hash(monkeypatch):
+    monkeypatch.setattr(digests.xxhash, "xxh3_128_digest", lambda data: b"same for everyone")
+    memo = DigestMemo(max_bytes=1 << 20)
+    first, second = b"one image", b"another image"
+    assert memo.sha256(first) == hashlib.sha256(first).digest()
+    assert memo.sha256(second) == hashlib.sha256(second).digest()
+    assert memo.sha256(first) == hashlib.sha256(first).digest()
+    assert memo.hits == 0
+
+
+def test_digest_memo_keeps_at_most_its_byte_budget_of_images():
+    memo = DigestMemo(max_bytes=1000)
+    for n in range(10):
+        memo.sha256(bytes([n]) * 300)
+    assert memo.bytes <= 1000
+    memo.sha256(bytes([9]) * 300)  # the newest are kept
+    assert memo.hits == 1
+    assert memo.sha256(b"x" * 2000) == hashlib.sha256(b"x" * 2000).digest()  # larger than the memo: hashed
+    assert memo.bytes <= 1000

@@ -1,0 +1,55 @@
+"""sha256 digests of recently seen image bytes, found again without hashing them again.
+
+An item's cache key starts with the sha256 of its bytes, and on a cache hit that hash was the largest
+cost of the call (~0.45 ms for a 465 KB JPEG; sha256 runs at ~1 GB/s on a 2-core x86-64 VM). The
+memo finds bytes it has seen by their xxh3-128 (~10 us for the same JPEG) and confirms them by
+comparing the bytes themselves (~9 us): the fast hash only says where to look, so a collision of it
+costs a fresh sha256, never a wrong digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+import xxhash
+
+# Image bytes kept for the comparison: about 140 images of 465 KB, the recent ones a cache hits on.
+DEFAULT_MEMO_BYTES = 64 << 20
+
+
+class DigestMemo:
+    """An LRU of (bytes, sha256 digest) by xxh3-128, at most `max_bytes` of image bytes; thread-safe
+    (small items are read on the event loop, large ones on preprocessing threads)."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MEMO_BYTES):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self._entries: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def sha256(self, data: bytes) -> bytes:
+        """The sha256 digest of `data`, from the memo when these very bytes were seen lately."""
+        if len(data) > self.max_bytes:
+            return hashlib.sha256(data).digest()
+        fast = xxhash.xxh3_128_digest(data)
+        with self._lock:
+            seen = self._entries.get(fast)
+            if seen is not None:
+                self._entries.move_to_end(fast)
+        if seen is not None and seen[0] == data:
+            self.hits += 1
+            return seen[1]
+        digest = hashlib.sha256(data).digest()
+        with self._lock:
+            old = self._entries.pop(fast, None)
+            if old is not None:
+                self.bytes -= len(old[0])
+            self._entries[fast] = (data, digest)
+            self.bytes += len(data)
+            while self.bytes > self.max_bytes:
+                _, (evicted, _) = self._entries.popitem(last=False)
+                self.bytes -= len(evicted)
+        return digest
