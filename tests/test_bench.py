@@ -29,11 +29,12 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         transport = results["transport"][size]
         assert set(transport["gbps"]) == {
             "bare_seq", "bare_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
-            "stream_computed_x4", "shm", "zmq", "memcpy",
+            "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy",
         }  # fmt: skip
         assert all(value > 0 for value in transport["gbps"].values())
         assert len(transport["stream_vs_best_bare"]) == 4 and all(v > 0 for v in transport["stream_vs_best_bare"].values())
         assert transport["shm_vs_zmq"] > 0 and transport["shm_vs_memcpy"] > 0 and transport["shm_latency_vs_stream"] > 0
+        assert transport["shm_x4_vs_zmq"] > 0 and transport["shm_x4_vs_memcpy"] > 0
     assert results["transport"]["request_jpeg_bytes"] > 200_000  # each call carries a real JPEG
     assert results["transport"]["small"]["ours_vs_bare_latency"] > 0
     # Mooncake is optional: measured when installed, else the reason it was skipped.
