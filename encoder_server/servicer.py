@@ -257,12 +257,12 @@ def method_handlers(servicer: EncoderServicer) -> grpc.GenericRpcHandler:
             "Encode": grpc.unary_stream_rpc_method_handler(
                 servicer.Encode,
                 request_deserializer=None,
-                response_serializer=wire.serialize_response,
+                response_serializer=wire.serialize,
             ),
             "Fetch": grpc.unary_stream_rpc_method_handler(
                 servicer.Fetch,
                 request_deserializer=None,
-                response_serializer=wire.serialize_response,
+                response_serializer=wire.serialize,
             ),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 servicer.GetModelInfo,

@@ -77,7 +77,7 @@ class EncoderEndpoint:
     def __post_init__(self) -> None:
         self.encode = self.channel.unary_stream(
             f"{_SERVICE}/Encode",
-            request_serializer=pb.EncodeRequest.SerializeToString,
+            request_serializer=wire.serialize,  # a message, or the bytes of wire.encode_request
             response_deserializer=wire.parse_response,
         )
         self.fetch = self.channel.unary_stream(

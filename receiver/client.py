@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from protos import encoder_pb2 as pb
+from protos import wire
 from encoder_common.errors import EncoderError, Failover, SharedMemoryUnavailableError, error_class_for
 
 from .assembly import Allocator, ShardAssembler, StreamProtocolError
@@ -318,11 +319,9 @@ class EncoderReceiver:
         withheld = lease is not None and lease.withhold_payload
         offer = self._shm is not None and offer_shm and not withheld
         shm_offer = self._shm.offer(endpoint.url) if offer else None
-        request = pb.EncodeRequest(
-            request_id=request_id,
-            items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=sources[i].data) for i in indices],
-            shm=shm_offer,
-            lease=lease,
+        request = wire.encode_request(
+            pb.EncodeRequest(request_id=request_id, shm=shm_offer, lease=lease),
+            [(pb.ImageItem(index=i, modality=pb.IMAGE), sources[i].data) for i in indices],
         )
         read_shm = self._shm.reader(request_id) if shm_offer is not None else None
         assembler = ShardAssembler(indices, endpoint.url, read_shm, payloads=not withheld)

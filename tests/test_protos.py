@@ -40,7 +40,22 @@ def test_chunk_framing_round_trips_through_protobuf_and_the_fast_parser(dtype, r
 
 def test_headers_parse_as_headers():
     header = pb.ItemHeader(index=3, num_tokens=4, grid_thw=[1, 4, 4], hidden_size=8, dtype=pb.BFLOAT16, payload_bytes=64)
-    raw = wire.serialize_response(pb.EncodeResponse(header=header))
+    raw = wire.serialize(pb.EncodeResponse(header=header))
     assert wire.parse_response(raw) == header
     with pytest.raises(ValueError):
         wire.parse_response(pb.EncodeResponse().SerializeToString())
+
+
+def test_encode_request_frames_the_same_message_protobuf_would():
+    images = [b"\xff\xd8" + bytes(range(256)) * 600, b"", b"x" * 127, b"y" * 128]  # lengths around varint steps
+    items = [(pb.ImageItem(index=i, modality=pb.IMAGE), image) for i, image in enumerate(images)]
+    request = pb.EncodeRequest(request_id="r-1", shm=pb.ShmOffer(probe="p"), lease=pb.Lease(ttl_ms=5))
+    framed = wire.encode_request(request, items)
+    expected = pb.EncodeRequest(
+        request_id="r-1",
+        items=[pb.ImageItem(index=i, modality=pb.IMAGE, data=image) for i, image in enumerate(images)],
+        shm=pb.ShmOffer(probe="p"),
+        lease=pb.Lease(ttl_ms=5),
+    )
+    assert pb.EncodeRequest.FromString(framed) == expected
+    assert len(framed) == expected.ByteSize()
