@@ -48,7 +48,7 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert set(results["image_sizes"]["sizes"]) == {"112x112", "224x224"}
 
     goals = {goal["goal"]: goal for goal in results["goals"]}
-    assert len(goals) == 2 * 7 + 1 + 4 and all(isinstance(goal["met"], bool) for goal in goals.values())
-    assert "goal transport 7 MiB: shared memory / zmq >= 2.0" in run.stdout
+    assert len(goals) == 2 * 9 + 1 + 4 and all(isinstance(goal["met"], bool) for goal in goals.values())
+    assert "goal transport 7 MiB: shared memory x4 / zmq >= 2.0" in run.stdout
     assert "goal batching: on / off >= 1.5" in run.stdout  # the printed table
     assert f"wrote {out}" in run.stdout

@@ -1,0 +1,166 @@
+"""Where a cached item's call spends its time: CPU per call in the server and in the client, and
+event-loop turns, for bare grpcio, our server read by a bare client, and `EncoderReceiver` over the
+stream and over shared memory. Differences between neighbouring rows split our overhead into the
+server's part and the receiver's part. A profile, not a benchmark: `scripts/bench.py` has the ratios.
+
+    python scripts/profile_dataplane.py [--tokens 1024] [--in-flight 1] [--calls 60] [--rounds 5]
+
+Each call carries the same request as in `bench.py`'s transport section (a 465 KB JPEG, or a 224x224
+one for items under 100 tokens); the server process is `testkit.fixed_server`, the bare one is
+`bench.py --role bare-grpc`. CPU comes from /proc (server) and `time.process_time()` (client, all of
+its threads), in clock ticks: use enough calls that a tick (10 ms) is small against the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from protos import encoder_pb2 as pb  # noqa: E402
+from protos import wire  # noqa: E402
+from receiver import EncoderReceiver  # noqa: E402
+from receiver.buffers import POOL  # noqa: E402
+from testkit.images import image_bytes  # noqa: E402
+from testkit.launcher import start_process  # noqa: E402
+
+HIDDEN = 3584  # Qwen2.5-VL-7B's width, as in bench.py
+ENCODE = "/encoder.v1.EncoderService/Encode"
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class LoopTurns:
+    """Counts the event loop's iterations (one `_run_once` each) while it is on."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        loop = asyncio.get_running_loop()
+        run_once = loop._run_once  # noqa: SLF001 - the only place a turn is visible
+
+        def counted() -> None:
+            self.turns += 1
+            run_once()
+
+        loop._run_once = counted  # noqa: SLF001
+
+
+def raw_call(channel: grpc.aio.Channel, method: str, request: bytes, nbytes: int) -> Callable[[], Awaitable[None]]:
+    """A bare client: the request's bytes as they are, each chunk copied into a pooled buffer as it arrives."""
+    stub = channel.unary_stream(method)
+
+    async def call() -> None:
+        dst, filled = POOL.empty((nbytes,), torch.uint8).numpy(), 0
+        async for message in stub(request):
+            part = wire.parse_response(message)
+            if isinstance(part, memoryview):
+                dst[filled : filled + len(part)] = np.frombuffer(part, np.uint8)
+                filled += len(part)
+        assert filled == nbytes
+
+    return call
+
+
+def receiver_call(receiver: EncoderReceiver, image: bytes) -> Callable[[], Awaitable[None]]:
+    async def call() -> None:
+        (item,) = (await receiver.encode("profile", [{"data": image}])).items
+        assert item.cache_hit
+
+    return call
+
+
+async def measure(call: Callable[[], Awaitable[None]], server_pid: int, calls: int, in_flight: int, turns: LoopTurns):
+    """Wall ms, server CPU ms, client CPU ms and loop turns, per call."""
+    for _ in range(3):
+        await call()
+
+    async def worker() -> None:
+        for _ in range(calls // in_flight):
+            await call()
+
+    server0, client0, turns0, wall0 = process_cpu_s(server_pid), time.process_time(), turns.turns, time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    wall = time.perf_counter() - wall0
+    n = calls // in_flight * in_flight
+    return (
+        wall / n * 1e3,
+        (process_cpu_s(server_pid) - server0) / n * 1e3,
+        (time.process_time() - client0) / n * 1e3,
+        (turns.turns - turns0) / n,
+    )
+
+
+async def profile(args, ours, bare) -> None:
+    nbytes = args.tokens * HIDDEN * 2
+    image = image_bytes(720, 720, 0, fmt="JPEG", quality=90) if args.tokens >= 100 else image_bytes(224, 224, 1, fmt="JPEG", quality=90)
+    request = pb.EncodeRequest(request_id="bare", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image)])
+    raw = request.SerializeToString()
+    turns = LoopTurns()
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") for p in (bare, ours)]
+    receivers = [EncoderReceiver([ours.url], transfer=t) for t in ("grpc", "shm")]
+    await receivers[0].encode("first", [{"data": image}])  # computed once: every measured call is a hit
+    rows = {
+        "bare grpcio": (raw_call(channels[0], f"/bench.Bare/Stream{nbytes}", raw, nbytes), bare.process.pid),
+        "our server, bare client": (raw_call(channels[1], ENCODE, raw, nbytes), ours.process.pid),
+        "EncoderReceiver, stream": (receiver_call(receivers[0], image), ours.process.pid),
+        "EncoderReceiver, shm": (receiver_call(receivers[1], image), ours.process.pid),
+    }
+    runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in rows}
+    for _ in range(args.rounds):  # interleaved, so that a slow moment of the machine hits every row
+        for name, (call, pid) in rows.items():
+            runs[name].append(await measure(call, pid, args.calls, args.in_flight, turns))
+    for receiver in receivers:
+        await receiver.close()
+    for channel in channels:
+        await channel.close()
+    print(f"{args.tokens} tokens x {HIDDEN} bf16 ({nbytes / 2**20:.2f} MiB), request {len(raw)} bytes, "
+          f"{args.in_flight} call(s) in flight; medians of {args.rounds} rounds of {args.calls} calls")  # fmt: skip
+    header = f"{'':26} {'wall ms':>8} {'server CPU ms':>14} {'client CPU ms':>14} {'loop turns':>11}"
+    print(header)
+    for name, values in runs.items():
+        med = [statistics.median(v[i] for v in values) for i in range(4)]
+        print(f"{name:26} {med[0]:8.2f} {med[1]:14.2f} {med[2]:14.2f} {med[3]:11.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=1024, help="rows of the item (64: bench.py's small item)")
+    parser.add_argument("--in-flight", type=int, default=1, help="calls in flight (bench.py: 1 and 4)")
+    parser.add_argument("--calls", type=int, default=60, help="calls per measurement")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    nbytes = args.tokens * HIDDEN * 2
+    with tempfile.TemporaryDirectory(prefix="profile-dataplane-") as logs:
+        ours = start_process(
+            [sys.executable, "-m", "testkit.fixed_server", str(args.tokens), str(HIDDEN)], Path(logs) / "fixed.log"
+        )
+        bare = start_process(
+            [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--role", "bare-grpc", "--payload-bytes", str(nbytes)],
+            Path(logs) / "bare.log",
+        )
+        try:
+            asyncio.run(profile(args, ours, bare))
+        finally:
+            ours.stop(grace_s=10)
+            bare.stop()
+
+
+if __name__ == "__main__":
+    main()
