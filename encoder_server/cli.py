@@ -4,13 +4,11 @@ logging and malloc, then loads the model and serves."""
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import logging
-import os
 import sys
 
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
+from encoder_common.malloc import tune_malloc
 
 from .config import ServerConfig
 
@@ -21,24 +19,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(p, ServerConfig)
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
-
-
-def tune_malloc() -> None:
-    """Keeps glibc from mmapping (and page-faulting) every fresh buffer of 32 MiB or more.
-
-    Measured on a 2-core x86-64 VM: large gRPC payloads moved 1.3-3x faster with these thresholds.
-    mallopt applies in-process, so no environment variable has to be set before the interpreter starts.
-    """
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL(libc_name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 1 << 30)
-        libc.mallopt(m_trim_threshold, 2 << 30)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from encoder_common import env_flags
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
+from encoder_common.malloc import tune_malloc
 
 from .config import GatewayConfig
 
@@ -76,6 +77,7 @@ async def serve(config) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    tune_malloc()  # embeddings of a megabyte and more arrive here: see encoder_common.malloc
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 from encoder_common.env_flags import EnvDefaultsParser
+from encoder_common.malloc import tune_malloc
 
 # Importing receiver.cli runs receiver/__init__, which imports .client already: this costs --help nothing.
 from .client import DEFAULT_TIMEOUT_S
@@ -97,6 +98,7 @@ def save(path: str, request_id: str, paths: list[Path], result) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    tune_malloc()  # embeddings of a megabyte and more arrive here: see encoder_common.malloc
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sys.exit(asyncio.run(run(args)))

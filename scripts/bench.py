@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from encoder_common.malloc import tune_malloc  # noqa: E402
 from protos import wire  # noqa: E402
 from testkit.checkpoints import write_tower_checkpoint  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402
@@ -126,9 +127,6 @@ def role_zmq_push(args) -> None:
     """SGLang's data plane: PUSH two frames per item (metadata, raw tensor bytes) when told how many."""
     import zmq
 
-    from encoder_server.cli import tune_malloc
-
-    tune_malloc()
     payloads = {size: np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes() for size in args.payload_bytes}
     context = zmq.Context()
     push, control = context.socket(zmq.PUSH), context.socket(zmq.REP)
@@ -498,9 +496,6 @@ def role_bare_grpc(args) -> None:
     """The strongest plain grpcio server we could write: a generic handler that takes the request's
     bytes unparsed and yields pre-framed chunks (the same ~1 MiB chunk messages as ours) of a payload
     made once, one method per payload size."""
-    from encoder_server.cli import tune_malloc
-
-    tune_malloc()
     handlers = {}
     for size in args.payload_bytes:
         data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
@@ -938,6 +933,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--payload-bytes", type=int, nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # Every process of the benchmark (ours and the baselines alike) runs with the malloc settings the
+    # encoder server sets for itself and docs/prefill-side.md recommends for a receiver's process.
+    tune_malloc()
     if args.role:
         ROLES[args.role](args)
         return

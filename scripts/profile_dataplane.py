@@ -30,6 +30,7 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from encoder_common.malloc import tune_malloc  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
 from protos import wire  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
@@ -146,6 +147,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=60, help="calls per measurement")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    tune_malloc()  # as bench.py: the receiver's process set up as docs/prefill-side.md recommends
     nbytes = args.tokens * HIDDEN * 2
     with tempfile.TemporaryDirectory(prefix="profile-dataplane-") as logs:
         ours = start_process(

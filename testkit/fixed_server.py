@@ -25,7 +25,7 @@ def serve(num_tokens: int, hidden_size: int) -> None:
 
     import torch
 
-    from encoder_server.cli import tune_malloc
+    from encoder_common.malloc import tune_malloc
     from encoder_server.server import EncoderServer
     from encoder_server.shm import ShmConfig
     from testkit.encoders import EncoderDouble

@@ -109,7 +109,7 @@ async def test_over_long_free_text_fields_are_refused_naming_the_field(small_bud
 SERVER_SCRIPT = """
 import asyncio, sys
 import torch
-from encoder_server.cli import tune_malloc
+from encoder_common.malloc import tune_malloc
 from encoder_server.models import ImageEmbedding
 from encoder_server.server import EncoderServer
 from encoder_server.batcher import BatchingConfig
