@@ -936,6 +936,7 @@ def main(argv: list[str] | None = None) -> None:
     # Every process of the benchmark (ours and the baselines alike) runs with the malloc settings the
     # encoder server sets for itself and docs/prefill-side.md recommends for a receiver's process.
     tune_malloc()
+    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: errors only, in every process of the run
     if args.role:
         ROLES[args.role](args)
         return
