@@ -245,13 +245,38 @@ class EncoderReceiver:
             results[result.index] = result
             placement.item_arrived(result)
 
+        def settle(encoder: EncoderEndpoint, error: ShardError | None) -> None:
+            """A shard ended: its encoder is healthy, or its items go elsewhere or wait out a back-off."""
+            if error is None:
+                self._health.of(encoder).mark_healthy()
+                return
+            self._shard_failed(error)
+            retry = placement.shard_failed(error)  # raises when the request cannot succeed
+            if retry.failover is Failover.BACK_OFF:  # overloaded is not broken: not benched for others
+                self.metrics.retry(encoder.url, len(retry.item_indices))
+                timer = asyncio.sleep(retry.delay_s, result=retry.item_indices)
+                running[asyncio.create_task(timer)] = None
+            else:
+                self._health.of(encoder).mark_failed(f"{error.status}: {error.message}")
+                self.metrics.failover(encoder.url, len(retry.item_indices))
+                log.warning("request %s: %s; re-sharding its items", request_id, error)
+
         try:
             while True:
                 if placement.pending:
                     known = await self._endpoint_pool.endpoints()
                     usable = await self._health.usable(known, placement.benched, deadline)
-                    for encoder, indices in placement.plan(usable, len(known), self._rng):
-                        shard = self._run_shard(request_id, encoder, indices, sources, arrived, placement, lease=lease)
+                    shards = [
+                        (encoder, self._run_shard(request_id, encoder, indices, sources, arrived, placement, lease=lease))
+                        for encoder, indices in placement.plan(usable, len(known), self._rng)
+                    ]
+                    if len(shards) == 1 and not running:
+                        # A lone call (all items on one encoder, nothing else pending) runs in this task:
+                        # no task and no wait of its own. Its gRPC deadline is the request's.
+                        encoder, shard = shards[0]
+                        settle(encoder, await shard)
+                        continue
+                    for encoder, shard in shards:
                         running[asyncio.create_task(shard)] = encoder
                 if not running:
                     return
@@ -264,21 +289,8 @@ class EncoderReceiver:
                     encoder = running.pop(task)
                     if encoder is None:  # a back-off timer: its items are due again
                         placement.due_again(task.result())
-                        continue
-                    error = task.result()
-                    if error is None:
-                        self._health.of(encoder).mark_healthy()
-                        continue
-                    self._shard_failed(error)
-                    retry = placement.shard_failed(error)  # raises when the request cannot succeed
-                    if retry.failover is Failover.BACK_OFF:  # overloaded is not broken: not benched for others
-                        self.metrics.retry(encoder.url, len(retry.item_indices))
-                        timer = asyncio.sleep(retry.delay_s, result=retry.item_indices)
-                        running[asyncio.create_task(timer)] = None
                     else:
-                        self._health.of(encoder).mark_failed(f"{error.status}: {error.message}")
-                        self.metrics.failover(encoder.url, len(retry.item_indices))
-                        log.warning("request %s: %s; re-sharding its items", request_id, error)
+                        settle(encoder, task.result())
         finally:
             for task in running:
                 task.cancel()
