@@ -78,7 +78,8 @@ class ServerMetrics:
             registry=r,
         )
         # Bound once: looking a label's child up costs more than the observation itself.
-        self.stage_seconds = {stage: self.item_seconds.labels(stage) for stage in ("queue", "preprocess", "forward", "stream")}
+        stages = ("queue", "preprocess", "forward", "stream")
+        self.stage_seconds = {stage: self.item_seconds.labels(stage) for stage in stages}
         self.items_ok = self.items.labels("ok", "OK")
         self._cache_stats: Callable[[], CacheStats] | None = None
         self._shm: ShmSegments | None = None
