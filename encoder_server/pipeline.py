@@ -67,16 +67,18 @@ class ItemPipeline:
             return
         self.check_room(len(items))
         self._preprocessing += len(items)
+        if len(items) == 1:  # a lone item needs no task of its own: one turn of the event loop less
+            payload, cache_hit, key = await self._item_payload(items[0], charge)
+            yield items[0], payload, cache_hit, key
+            return
         # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
-        # as its bytes are read; they are still yielded in order. The first runs in the call's own
-        # task (a call of one cached item then costs no task and no extra turn of the event loop),
-        # the others in tasks of their own, which start at its first wait.
-        tasks = [asyncio.ensure_future(self._item_payload(item, charge)) for item in items[1:]]
+        # as its bytes are read, in tasks started in the items' order; they are still yielded in order.
+        tasks = [asyncio.ensure_future(self._item_payload(item, charge)) for item in items]
         for task in tasks:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         try:
-            for item, work in zip(items, [self._item_payload(items[0], charge), *tasks]):
-                payload, cache_hit, key = await work
+            for item, task in zip(items, tasks):
+                payload, cache_hit, key = await task
                 yield item, payload, cache_hit, key
         finally:
             for task in tasks:
