@@ -39,6 +39,7 @@ from tqdm import tqdm  # noqa: E402
 
 from encoder_common.malloc import tune_malloc  # noqa: E402
 from protos import wire  # noqa: E402
+from testkit.bare_grpc import receive_payload  # noqa: E402
 from testkit.checkpoints import write_tower_checkpoint  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402
 from testkit.launcher import LaunchedProcess, server_argv, start_process  # noqa: E402
@@ -592,12 +593,7 @@ async def section_dataplane(ctx: Context) -> dict:
 
     def bare_call(size: int, request: bytes):
         async def call() -> None:
-            dst, filled = POOL.empty((item_bytes(size),), torch.uint8).numpy(), 0
-            async for chunk in bare_calls[size](request):  # each chunk copied as it arrives, as ours
-                part = wire.parse_response(chunk)
-                dst[filled : filled + len(part)] = np.frombuffer(part, np.uint8)
-                filled += len(part)
-            assert filled == item_bytes(size)
+            await receive_payload(bare_calls[size](request), item_bytes(size))
 
         return call
 

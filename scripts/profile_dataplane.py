@@ -27,14 +27,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import grpc  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 from encoder_common.malloc import tune_malloc  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
-from protos import wire  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
-from receiver.buffers import POOL  # noqa: E402
+from testkit.bare_grpc import receive_payload  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402
 from testkit.launcher import start_process  # noqa: E402
 
@@ -64,17 +61,11 @@ class LoopTurns:
 
 
 def raw_call(channel: grpc.aio.Channel, method: str, request: bytes, nbytes: int) -> Callable[[], Awaitable[None]]:
-    """A bare client: the request's bytes as they are, each chunk copied into a pooled buffer as it arrives."""
+    """A bare client: the request's bytes as they are, the payload read as bench.py's baseline reads it."""
     stub = channel.unary_stream(method)
 
     async def call() -> None:
-        dst, filled = POOL.empty((nbytes,), torch.uint8).numpy(), 0
-        async for message in stub(request):
-            part = wire.parse_response(message)
-            if isinstance(part, memoryview):
-                dst[filled : filled + len(part)] = np.frombuffer(part, np.uint8)
-                filled += len(part)
-        assert filled == nbytes
+        await receive_payload(stub(request), nbytes)
 
     return call
 
