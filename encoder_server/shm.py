@@ -29,6 +29,7 @@ import numpy as np
 
 from encoder_common.env_flags import flag
 from protos import encoder_pb2 as pb
+from encoder_common.copies import copy_bytes
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos.shm import (
     HEADER_BYTES,
@@ -119,7 +120,7 @@ class _Segment:
         offset = HEADER_BYTES
         for part in parts:
             flat = np.frombuffer(part, dtype=np.uint8)
-            np.copyto(self.bytes[offset : offset + len(flat)], flat)  # one memcpy, into pages already there
+            copy_bytes(self.bytes[offset : offset + len(flat)], flat)  # into pages already there
             offset += len(flat)
         self._map[:HEADER_BYTES] = header
 

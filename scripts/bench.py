@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from encoder_common.copies import copy_bytes  # noqa: E402
 from encoder_common.malloc import tune_malloc  # noqa: E402
 from protos import wire  # noqa: E402
 from testkit.bare_grpc import receive_payload  # noqa: E402
@@ -611,8 +612,8 @@ async def section_dataplane(ctx: Context) -> dict:
             calls = [ours_call(shm_rx[size], cached_image, size, True)] * n
         elif kind == "zmq":
             return n * nbytes / await asyncio.to_thread(zmq_pull, nbytes, n) / 1e9
-        else:  # memcpy
-            return n * nbytes / memcpy(size, n) / 1e9
+        else:  # memcpy: one thread, or split across threads as the server writes a segment
+            return n * nbytes / memcpy(size, n, np.copyto if kind == "memcpy" else copy_bytes) / 1e9
         return n * nbytes / await in_flight(calls, width) / 1e9
 
     def zmq_pull(nbytes: int, n: int) -> float:
@@ -627,12 +628,12 @@ async def section_dataplane(ctx: Context) -> dict:
 
     copies = {size: np.random.default_rng(size).integers(0, 256, (2, item_bytes(size)), dtype=np.uint8) for size in sizes}
 
-    def memcpy(size: int, n: int) -> float:
+    def memcpy(size: int, n: int, copy: Callable[[np.ndarray, np.ndarray], None]) -> float:
         """One host copy into a buffer whose pages are already mapped: the physical limit."""
         src, dst = copies[size]
         started = time.perf_counter()
         for _ in range(n):
-            np.copyto(dst, src)
+            copy(dst, src)
         return time.perf_counter() - started
 
     async def small_latency(kind: str) -> float:
@@ -645,7 +646,7 @@ async def section_dataplane(ctx: Context) -> dict:
         return await in_flight(calls, 1) / n * 1000
 
     kinds = ["bare_seq", "bare_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
-             "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy"]  # fmt: skip
+             "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads"]  # fmt: skip
     try:
         for size in [*sizes, SMALL]:  # the cached item computed once
             await ours_call(stream_rx[size], small_image if size == SMALL else cached_image, size, False)()
@@ -845,7 +846,7 @@ def table(results: dict) -> str:
                 same = r["stream_vs_bare_same_mode"][f"stream_{mode}"]
                 rows.append((f"stream {size} {mode.replace('_', ' ')}", f"ours {g[f'stream_{mode}']:.2f} GB/s", best_bare,
                              f"{r['stream_vs_best_bare'][f'stream_{mode}']:.2f}x ({same:.2f}x of bare {mode.split('_')[1]})"))
-            baselines = f"zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} GB/s"
+            baselines = f"zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} (threads {g['memcpy_threads']:.1f}) GB/s"
             rows.append((f"shared memory {size} seq", f"ours {g['shm']:.2f} GB/s", baselines,
                          f"{r['shm_vs_zmq']:.2f}x / {r['shm_vs_memcpy']:.2f}x"))
             rows.append((f"shared memory {size} x{IN_FLIGHT}", f"ours {g['shm_x4']:.2f} GB/s", baselines,

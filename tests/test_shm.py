@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from encoder_server.batcher import BatchingConfig
 from encoder_server.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
 from protos import wire
+from encoder_common.copies import SPLIT_FROM, copy_bytes
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos.shm import SERVER_KIND, item_proof, new_instance, random_name, segment_header
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
@@ -539,6 +541,14 @@ async def test_refused_segments_are_fetched_again_over_the_stream(shm_server, mo
     assert_same_bytes(got, want)
     assert stats.items_shm == 0 and stats.fallbacks == {"header_mismatch": 3}
     assert await wait_until(lambda: segments_of(shm_server.shm.instance) == [])
+
+
+@pytest.mark.parametrize("nbytes", [SPLIT_FROM - 1, 3 * SPLIT_FROM + 7])
+def test_a_payload_copy_split_across_threads_lands_every_byte_in_place(nbytes):
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes + 2, dtype=np.uint8)
+    copy_bytes(dst[1:-1], src)
+    assert np.array_equal(dst[1:-1], src) and dst[0] == 0 and dst[-1] == 0
 
 
 def test_receive_buffers_are_reused_only_once_every_view_is_gone():
