@@ -29,7 +29,7 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         transport = results["transport"][size]
         assert set(transport["gbps"]) == {
             "bare_seq", "bare_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
-            "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy",
+            "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads",
         }  # fmt: skip
         assert all(value > 0 for value in transport["gbps"].values())
         assert len(transport["stream_vs_best_bare"]) == 4 and all(v > 0 for v in transport["stream_vs_best_bare"].values())
