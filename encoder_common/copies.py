@@ -23,6 +23,8 @@ _helpers_lock = threading.Lock()
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     """`np.copyto(dst, src)` for flat uint8 arrays of one length: a large one in shares of at least
     SPLIT_FROM / 2 bytes, the calling thread copying the first while helper threads copy the rest."""
+    if len(dst) != len(src):
+        raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
     shares = min(MAX_THREADS, len(src) // (SPLIT_FROM // 2))
     if shares < 2:
         np.copyto(dst, src)
