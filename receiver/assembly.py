@@ -11,6 +11,7 @@ import torch
 
 from protos import encoder_pb2 as pb
 from protos import wire
+from encoder_common.copies import copy_bytes
 from encoder_common.errors import EncoderError
 
 from .buffers import POOL
@@ -45,7 +46,7 @@ class ItemBuffer:
         self.filled = 0
         if payload is not None:
             if self.tensor.data_ptr() != payload.data_ptr():
-                self.tensor.view(torch.uint8).reshape(-1).copy_(payload.view(torch.uint8).reshape(-1))
+                copy_bytes(self._bytes, payload.view(torch.uint8).reshape(-1).numpy())
             self.filled = len(self._bytes)
 
     @staticmethod

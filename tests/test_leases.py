@@ -62,6 +62,22 @@ async def test_leased_items_fetch_back_byte_for_byte_once_per_grant(default_mode
             assert caught.value.not_found
 
 
+async def test_a_fetch_over_shared_memory_lands_in_the_callers_own_tensor(default_model_dir):
+    async with running_server(default_model_dir, shm=ShmConfig(min_bytes=0)) as server:
+        async with EncoderReceiver([server.url], transfer="shm") as rx:
+            encoded = await rx.encode("r", [{"data": IMAGES[0]}], lease_ms=30_000)
+            given: list[torch.Tensor] = []
+
+            def allocate(shape, dtype):
+                given.append(torch.full(shape, -1.0).to(dtype))
+                return given[-1]
+
+            fetched = await rx.fetch("f", encoded.items[0].lease.key, allocate=allocate)
+            assert len(given) == 1 and fetched.embedding.data_ptr() == given[0].data_ptr()
+            assert torch.equal(fetched.embedding, encoded.items[0].embedding)
+            assert rx.transfer_stats.items_shm == 2  # encoded and fetched through segments
+
+
 async def test_a_key_leased_twice_is_kept_for_two_fetches(default_model_dir):
     async with running_server(default_model_dir) as server:
         async with EncoderReceiver([server.url], transfer="grpc") as rx:
