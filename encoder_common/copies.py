@@ -42,3 +42,12 @@ def _pool() -> ThreadPoolExecutor:
         if _helpers is None:
             _helpers = ThreadPoolExecutor(MAX_THREADS - 1, thread_name_prefix="copy")
         return _helpers
+
+
+def _forget_pool_in_child() -> None:
+    """A forked child has none of its parent's threads: it makes a pool of its own when it copies."""
+    global _helpers, _helpers_lock
+    _helpers, _helpers_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)

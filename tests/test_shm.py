@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -549,6 +550,23 @@ def test_a_payload_copy_split_across_threads_lands_every_byte_in_place(nbytes):
     dst = np.zeros(nbytes + 2, dtype=np.uint8)
     copy_bytes(dst[1:-1], src)
     assert np.array_equal(dst[1:-1], src) and dst[0] == 0 and dst[-1] == 0
+
+
+def test_a_forked_child_copies_with_threads_of_its_own():
+    src = np.random.default_rng(0).integers(0, 256, 2 * SPLIT_FROM, dtype=np.uint8)
+    copy_bytes(np.empty_like(src), src)  # the parent's helper threads exist now
+    pid = os.fork()
+    if pid == 0:  # the child: a copy that waited on its parent's threads would never finish
+        dst = np.empty_like(src)
+        copy_bytes(dst, src)
+        os._exit(0 if np.array_equal(dst, src) else 1)
+    deadline = time.monotonic() + 30
+    while (waited := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if waited == (0, 0):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert waited[0] == pid and os.waitstatus_to_exitcode(waited[1]) == 0
 
 
 def test_receive_buffers_are_reused_only_once_every_view_is_gone():
