@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
         return
     bounds = [len(src) * i // shares for i in range(shares + 1)]
-    helped = [_pool().submit(np.copyto, dst[a:b], src[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
+    helped = [_pool().submit(np.copyto, dst[a:b], src[a:b]) for a, b in itertools.pairwise(bounds[1:])]
     np.copyto(dst[: bounds[1]], src[: bounds[1]])
     for future in helped:
         future.result()
