@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from encoder_common.copies import copy_bytes
 from encoder_common.env_flags import flag
 from protos import encoder_pb2 as pb
-from encoder_common.copies import copy_bytes
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos.shm import (
     HEADER_BYTES,
