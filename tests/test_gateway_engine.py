@@ -120,10 +120,16 @@ async def test_engine_error_passed_through(gateway, vllm, default_model_dir, ses
     assert "max_tokens" in error["message"] or "maximum context length" in error["message"], error
 
 
-async def _running_requests(session: aiohttp.ClientSession, vllm_url: str) -> float:
-    async with session.get(f"{vllm_url}/metrics") as reply:
-        text = await reply.text()
-    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))
+async def _running_requests_become(session: aiohttp.ClientSession, vllm_url: str, count: int, within_s: float) -> bool:
+    """Polls vLLM's `num_requests_running` gauge until it reads `count`. The gauge follows the
+    scheduler's stats as the engine reports them, so it can lag the first streamed event."""
+    for _ in range(int(within_s / 0.25)):
+        async with session.get(f"{vllm_url}/metrics") as reply:
+            text = await reply.text()
+        if sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)) == count:
+            return True
+        await asyncio.sleep(0.25)
+    return False
 
 
 async def test_client_disconnect_mid_stream_aborts_the_engine_request(
@@ -137,13 +143,9 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_request(
     reply = await client.post(f"{gateway}/v1/chat/completions", json=body)
     assert reply.status == 200
     await reply.content.readline()  # the first event: the engine is generating
-    assert await _running_requests(session, vllm.url) == 1
+    assert await _running_requests_become(session, vllm.url, 1, within_s=30), "vLLM never counted the request"
     await client.close()  # the client goes away mid-stream
-    for _ in range(120):
-        if await _running_requests(session, vllm.url) == 0:
-            break
-        await asyncio.sleep(0.5)
-    else:
+    if not await _running_requests_become(session, vllm.url, 0, within_s=60):
         pytest.fail("vLLM still runs the request 60 s after the client disconnected from the gateway")
     async with session.get(f"{gateway}/metrics") as reply:
         assert re.search(
