@@ -120,13 +120,16 @@ async def test_engine_error_passed_through(gateway, vllm, default_model_dir, ses
     assert "max_tokens" in error["message"] or "maximum context length" in error["message"], error
 
 
-async def _running_requests_become(session: aiohttp.ClientSession, vllm_url: str, count: int, within_s: float) -> bool:
+async def _running_requests_become(
+    session: aiohttp.ClientSession, vllm_url: str, count: int, within_s: float
+) -> bool:
     """Polls vLLM's `num_requests_running` gauge until it reads `count`. The gauge follows the
     scheduler's stats as the engine reports them, so it can lag the first streamed event."""
     for _ in range(int(within_s / 0.25)):
         async with session.get(f"{vllm_url}/metrics") as reply:
             text = await reply.text()
-        if sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M)) == count:
+        running = sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))
+        if running == count:
             return True
         await asyncio.sleep(0.25)
     return False
