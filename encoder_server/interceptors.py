@@ -1,14 +1,15 @@
-"""Server interceptors that decide before the servicer runs: the drain gate, and the refusal handler
-that it and the bearer-token check answer refused calls with."""
+"""What decides before a servicer runs: the drain gate, which every service but health is added
+behind, and the refusal handler that the bearer-token interceptor answers refused calls with."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import grpc
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+SHUTTING_DOWN = "the encoder server is shutting down"
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
@@ -31,12 +32,16 @@ def refusal_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, detai
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-class DrainGate(grpc.aio.ServerInterceptor):
-    """Counts running calls and, once closed, refuses new ones (health probes excepted) with UNAVAILABLE.
+class DrainGate:
+    """Counts running calls and, once closed, refuses new ones with UNAVAILABLE (health stays open).
 
     gRPC's own `server.stop(grace)` closes the listener at once, so probes could no longer see
     NOT_SERVING and a caller could not tell draining from a dead server. Closing this gate first
     keeps the port open while running calls finish.
+
+    Services are added behind it (`behind(server)`) instead of through an interceptor: a grpc.aio
+    interceptor costs every call a chain of coroutines and a handler made afresh (~16 us of a 1 ms
+    call measured here), while a handler wrapped once costs a check and a count.
     """
 
     def __init__(self) -> None:
@@ -62,15 +67,9 @@ class DrainGate(grpc.aio.ServerInterceptor):
             return False
         return True
 
-    async def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
-            return handler
-        if self.closed:
-            return refusal_handler(handler, grpc.StatusCode.UNAVAILABLE, "the encoder server is shutting down")
-        if handler.request_streaming:  # reflection: not counted, it carries no encoding work
-            return handler
-        return self._counted(handler)
+    def behind(self, server: grpc.aio.Server) -> GatedServer:
+        """Where to add services that the gate guards: generated `add_*_to_server` functions take it too."""
+        return GatedServer(server, self)
 
     def _enter(self) -> None:
         self._running += 1
@@ -81,11 +80,32 @@ class DrainGate(grpc.aio.ServerInterceptor):
         if self._running == 0:
             self._idle.set()
 
-    def _counted(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def guard(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """`handler` refused once the gate is closed, and counted while it runs unless its requests
+        stream in (reflection: no encoding work)."""
+        refuse = self._refuse
+        if handler.request_streaming:
+            if handler.response_streaming:
+                behavior = handler.stream_stream
+
+                async def stream_stream(requests, context):
+                    await refuse(context)
+                    async for message in behavior(requests, context):
+                        yield message
+
+                return handler._replace(stream_stream=stream_stream)
+            behavior = handler.stream_unary
+
+            async def stream_unary(requests, context):
+                await refuse(context)
+                return await behavior(requests, context)
+
+            return handler._replace(stream_unary=stream_unary)
         if handler.response_streaming:
             behavior = handler.unary_stream
 
-            async def stream(request, context):
+            async def unary_stream(request, context):
+                await refuse(context)
                 self._enter()
                 try:
                     async for message in behavior(request, context):
@@ -93,16 +113,51 @@ class DrainGate(grpc.aio.ServerInterceptor):
                 finally:
                     self._exit()
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream, handler.request_deserializer, handler.response_serializer
-            )
+            return handler._replace(unary_stream=unary_stream)
         behavior = handler.unary_unary
 
-        async def unary(request, context):
+        async def unary_unary(request, context):
+            await refuse(context)
             self._enter()
             try:
                 return await behavior(request, context)
             finally:
                 self._exit()
 
-        return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        return handler._replace(unary_unary=unary_unary)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext) -> None:
+        if self.closed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+
+
+class GatedServer:
+    """Stands in for a grpc.aio server while services are added: each handler goes in guarded by the gate."""
+
+    def __init__(self, server: grpc.aio.Server, gate: DrainGate):
+        self._server = server
+        self._gate = gate
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers([_GuardedHandlers(h, self._gate) for h in handlers])
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        self._server.add_registered_method_handlers(service, {m: self._gate.guard(h) for m, h in handlers.items()})
+
+
+class _GuardedHandlers(grpc.GenericRpcHandler):
+    """A generic handler's methods, each guarded once, the first time it is asked for."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, gate: DrainGate):
+        self._inner = inner
+        self._gate = gate
+        self._guarded: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        guarded = self._guarded.get(details.method)
+        if guarded is None:
+            handler = self._inner.service(details)
+            if handler is None:
+                return None
+            guarded = self._guarded[details.method] = self._gate.guard(handler)
+        return guarded

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from PIL import Image
 
 from protos import encoder_pb2 as pb
@@ -110,7 +110,8 @@ class EncoderServer:
         threading.Thread(target=self._watch_forward_worker, args=(loop,), name="forward-watch", daemon=True).start()
 
     def _build_grpc_server(self, interceptors: list[grpc.aio.ServerInterceptor], info: pb.ModelInfo) -> grpc.aio.Server:
-        """Wiring: the pipeline and servicer behind the interceptors, health, reflection, the bound port."""
+        """Wiring: the pipeline and servicer, SGLang's contract and reflection behind the drain gate (and
+        the interceptors), health, the bound port."""
         config = self.config
         self._pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
         if config.cache_bytes:
@@ -131,15 +132,14 @@ class EncoderServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        server.add_generic_rpc_handlers([method_handlers(servicer)])
+        gated = self.gate.behind(server)
+        gated.add_generic_rpc_handlers([method_handlers(servicer)])
         if config.sglang.serve:
             self.sglang = sglang_servicer.SglangEncoderServicer(pipeline, config, self.metrics, self.streams)
-            server.add_generic_rpc_handlers([sglang_servicer.method_handlers(self.sglang)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (*self._services(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
+            gated.add_generic_rpc_handlers([sglang_servicer.method_handlers(self.sglang)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)  # probes answer while draining
+        names = (*self._services(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(names), gated)
         bind = f"{_bind_host(config.host)}:{config.port}"
         if config.tls is not None:
             self.port = server.add_secure_port(bind, config.tls.server_credentials())
@@ -148,12 +148,12 @@ class EncoderServer:
         return server
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """The bearer-token check (when configured) first, then the drain gate."""
+        """The bearer-token check, when configured (the drain gate guards the handlers themselves)."""
         config = self.config
         if not config.auth_token_file:
-            return [self.gate]
+            return []
         tokens = read_token_file(config.auth_token_file)
-        return [BearerTokenInterceptor(tokens, protect_health=config.auth_protect_health), self.gate]
+        return [BearerTokenInterceptor(tokens, protect_health=config.auth_protect_health)]
 
     def _serve_metrics(self) -> None:
         if self.config.metrics_port is not None:
