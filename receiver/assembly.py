@@ -35,9 +35,16 @@ class ItemBuffer:
     taken as it is, or copied once into the caller's tensor when there is one.
     """
 
-    def __init__(self, header: pb.ItemHeader, allocate: Allocator | None = None, payload: torch.Tensor | None = None):
+    def __init__(
+        self,
+        header: pb.ItemHeader,
+        allocate: Allocator | None = None,
+        payload: torch.Tensor | None = None,
+        layout: tuple[torch.dtype, tuple[int, int, int]] | None = None,
+    ):
+        """`layout`: the header's `layout()`, when the caller checked it already."""
         self.header = header
-        self.dtype, shape = self.layout(header)
+        self.dtype, shape = layout or self.layout(header)
         if payload is not None and allocate is None:
             self.tensor = payload.view(self.dtype).reshape(shape)
         else:
@@ -120,14 +127,14 @@ class ShardAssembler:
                 raise StreamProtocolError(f"unexpected item index {message.index} in the stream")
             if not self.payloads:
                 return self._finish(message, _shape_only(message))
-            ItemBuffer.layout(message)  # refused before any segment is touched
+            layout = ItemBuffer.layout(message)  # refused before any segment is touched
             payload = None
             if self.read_shm is not None:
                 placement, payload = self.read_shm(message)
                 if placement is Placement.REFETCH:
                     self.refetch.append(message.index)
                     return None
-            self._current = ItemBuffer(message, self.allocate, payload)
+            self._current = ItemBuffer(message, self.allocate, payload, layout)
         if self._current is not None and self._current.complete:
             done = self._finish(self._current.header, self._current.tensor)
             self._current = None
@@ -135,17 +142,18 @@ class ShardAssembler:
         return None
 
     def _finish(self, header: pb.ItemHeader, tensor: torch.Tensor) -> ItemResult:
+        timing = header.timing  # each access of a submessage makes a new wrapper of it
         result = ItemResult(
             index=header.index,
-            embedding=tensor[0],
+            embedding=tensor.select(0, 0),
             grid_thw=tuple(header.grid_thw),
             encoder_url=self.encoder_url,
             deepstack=tensor[1:] if header.num_deepstack_layers else None,
             cache_hit=header.cache_hit,
             lease=header.lease if header.HasField("lease") else None,
-            queue_ms=header.timing.queue_ms,
-            preprocess_ms=header.timing.preprocess_ms,
-            forward_ms=header.timing.forward_ms,
+            queue_ms=timing.queue_ms,
+            preprocess_ms=timing.preprocess_ms,
+            forward_ms=timing.forward_ms,
             stream_ms=(time.perf_counter() - self._started) * 1000,
         )
         self.items[header.index] = result
