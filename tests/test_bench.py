@@ -35,6 +35,11 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         assert len(transport["stream_vs_best_bare"]) == 4 and all(v > 0 for v in transport["stream_vs_best_bare"].values())
         assert transport["shm_vs_zmq"] > 0 and transport["shm_vs_memcpy"] > 0 and transport["shm_latency_vs_stream"] > 0
         assert transport["shm_x4_vs_zmq"] > 0 and transport["shm_x4_vs_memcpy"] > 0
+        # What no server could pass in this run: decoding only lowers a computed item's ceiling.
+        ceilings = transport["ceilings"]
+        assert 0 < ceilings["stream_computed_seq"] < ceilings["stream_cached_seq"] <= 1
+        assert 0 < ceilings["stream_computed_x4"] <= 1 and ceilings["shm_seq_vs_zmq"] > 0
+    assert all(v > 0 for v in results["transport"]["floor_ms"].values())
     assert results["transport"]["request_jpeg_bytes"] > 200_000  # each call carries a real JPEG
     assert results["transport"]["small"]["ours_vs_bare_latency"] > 0
     # Mooncake is optional: measured when installed, else the reason it was skipped.
@@ -50,5 +55,7 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     goals = {goal["goal"]: goal for goal in results["goals"]}
     assert len(goals) == 2 * 9 + 1 + 4 and all(isinstance(goal["met"], bool) for goal in goals.values())
     assert "goal transport 7 MiB: shared memory x4 / zmq >= 2.0" in run.stdout
+    with_ceiling = [goal for goal in goals.values() if "ceiling" in goal]
+    assert len(with_ceiling) == 2 * 4 and all(goal["reachable"] == (goal["ceiling"] >= goal["target"]) for goal in with_ceiling)
     assert "goal batching: on / off >= 1.5" in run.stdout  # the printed table
     assert f"wrote {out}" in run.stdout
