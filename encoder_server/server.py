@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from PIL import Image
 
+from encoder_common.collector import freeze_startup_objects
 from protos import encoder_pb2 as pb
 
 from .auth import BearerTokenInterceptor, read_token_file
@@ -240,6 +241,7 @@ async def serve(config: ServerConfig) -> None:
     """Runs a server until SIGTERM or SIGINT, then drains it."""
     server = EncoderServer(config)
     await server.start()
+    log.debug("%d start-up objects frozen out of the garbage collector's full passes", freeze_startup_objects())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

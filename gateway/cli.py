@@ -11,6 +11,7 @@ from pathlib import Path
 
 from encoder_common import env_flags
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
+from encoder_common.collector import freeze_startup_objects
 from encoder_common.malloc import tune_malloc
 
 from .config import GatewayConfig
@@ -64,6 +65,7 @@ async def serve(config) -> None:
     from .app import start
 
     runner, port = await start(config)
+    freeze_startup_objects()  # see encoder_common.collector
     print(f"encoder-gateway ready on {config.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

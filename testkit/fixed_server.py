@@ -25,6 +25,7 @@ def serve(num_tokens: int, hidden_size: int) -> None:
 
     import torch
 
+    from encoder_common.collector import freeze_startup_objects
     from encoder_common.malloc import tune_malloc
     from encoder_server.server import EncoderServer
     from encoder_server.shm import ShmConfig
@@ -39,6 +40,7 @@ def serve(num_tokens: int, hidden_size: int) -> None:
         encoder = EncoderDouble(tokens=num_tokens, hidden_size=hidden_size, dtype=torch.bfloat16)
         server = EncoderServer(config, encoder=encoder)
         await server.start()
+        freeze_startup_objects()  # as encoder_server.server.serve does
         stopping = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
         print(f"ready on 127.0.0.1:{server.port}", flush=True)
