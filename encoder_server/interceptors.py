@@ -14,7 +14,9 @@ SHUTTING_DOWN = "the encoder server is shutting down"
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
 
-def refusal_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+def refusal_handler(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str
+) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that ends the call with `code` at once.
 
     It leaves the request bytes unparsed, so a refused call costs no protobuf work.
@@ -141,8 +143,11 @@ class GatedServer:
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         self._server.add_generic_rpc_handlers([_GuardedHandlers(h, self._gate) for h in handlers])
 
-    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
-        self._server.add_registered_method_handlers(service, {m: self._gate.guard(h) for m, h in handlers.items()})
+    def add_registered_method_handlers(
+        self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]
+    ) -> None:
+        guarded = {method: self._gate.guard(handler) for method, handler in handlers.items()}
+        self._server.add_registered_method_handlers(service, guarded)
 
 
 class _GuardedHandlers(grpc.GenericRpcHandler):

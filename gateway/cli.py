@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from encoder_common import env_flags
-from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
 from encoder_common.collector import freeze_startup_objects
+from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
 from encoder_common.malloc import tune_malloc
 
 from .config import GatewayConfig

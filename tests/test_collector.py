@@ -36,6 +36,8 @@ CHILD = textwrap.dedent(
 
 
 def test_a_full_collection_after_freezing_walks_only_what_came_since():
-    run = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.startswith("ok ")

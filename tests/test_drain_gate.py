@@ -23,13 +23,15 @@ from testkit.servers import running_server, wait_until
 
 @pytest.fixture
 async def server():
-    encoder = EncoderDouble(tokens=4096, hidden_size=1024, dtype=torch.float32)  # 16 MiB: more than flow control lets through
+    # 16 MiB a call: more than flow control lets through, so an unread call stays open
+    encoder = EncoderDouble(tokens=4096, hidden_size=1024, dtype=torch.float32)
     async with running_server(REPO_ROOT / "no-checkpoint", encoder=encoder) as running:
         yield running
 
 
 def encode_request(request_id: str) -> pb.EncodeRequest:
-    return pb.EncodeRequest(request_id=request_id, items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image_bytes(32, 32))])
+    item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image_bytes(32, 32))
+    return pb.EncodeRequest(request_id=request_id, items=[item])
 
 
 async def test_a_call_is_counted_while_it_streams_and_not_after(server):
@@ -59,10 +61,12 @@ async def test_a_closed_gate_refuses_every_service_but_health(server):
         for name, call in refused.items():
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await call()
-            assert (error.value.code(), error.value.details()) == (grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN), name
+            refusal = (error.value.code(), error.value.details())
+            assert refusal == (grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN), name
         health = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # the server turns it NOT_SERVING itself
+        # The gate alone leaves health as it is: stop() turns it NOT_SERVING first.
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert server.gate.running == 0
 
 
