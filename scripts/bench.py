@@ -487,6 +487,7 @@ def item_tokens(size: int) -> int:
 def item_bytes(size: int) -> int:
     return item_tokens(size) * TRANSPORT_HIDDEN * 2
 IN_FLIGHT = 4  # calls in flight in the pipelined modes: a prefill node has many requests at once
+FLOORS = ("request_ack", "jpeg_decode")  # what `ceilings` is computed from (see floor_ms)
 
 
 def request_jpeg(seed: int, side: int = 720) -> bytes:
@@ -655,14 +656,14 @@ async def section_dataplane(ctx: Context) -> dict:
     ack = bare_channel.unary_unary("/bench.Bare/Ack")
 
     async def floor_ms(kind: str) -> float:
-        """Milliseconds of what bounds the goals out of reach, one at a time: "ack", a bare grpcio call
-        carrying the 465 KB request and answering two bytes; "decode", the request's JPEG decoded as
-        the server decodes it."""
+        """Milliseconds of what bounds the goals out of reach, one at a time: "request_ack", a bare
+        grpcio call carrying the 465 KB request and answering two bytes; "jpeg_decode", the request's
+        JPEG decoded as the server decodes it."""
         n = 10 * p.rounds
         request = bare_request(cached_image)
         started = time.perf_counter()
         for _ in range(n):
-            if kind == "ack":
+            if kind == "request_ack":
                 await ack(request)
             else:
                 decode_image(cached_image)
@@ -680,10 +681,10 @@ async def section_dataplane(ctx: Context) -> dict:
                 await measure(size, kind)
         await small_latency("bare")
         await small_latency("ours")
-        await floor_ms("ack")
+        await floor_ms("request_ack")
         measures = {f"{size // MiB} MiB {kind}": functools.partial(measure, size, kind) for size in sizes for kind in kinds}
         measures.update({f"small {kind}": functools.partial(small_latency, kind) for kind in ("bare", "ours")})
-        measures.update({f"floor {kind}": functools.partial(floor_ms, kind) for kind in ("ack", "decode")})
+        measures.update({f"floor {kind}": functools.partial(floor_ms, kind) for kind in FLOORS})
         runs = await interleaved("dataplane", p.rounds, measures)
         mooncake = await dataplane_mooncake(ctx, sizes)
     finally:
@@ -692,8 +693,7 @@ async def section_dataplane(ctx: Context) -> dict:
         await bare_channel.close()
         zctx.destroy(linger=0)
     out: dict = {"hidden_size": TRANSPORT_HIDDEN, "request_jpeg_bytes": len(cached_image), "calls_in_flight": IN_FLIGHT}
-    floors = {kind: median(runs[f"floor {kind}"]) for kind in ("ack", "decode")}
-    out["floor_ms"] = {"request_ack": floors["ack"], "jpeg_decode": floors["decode"]}
+    floors = out["floor_ms"] = {kind: median(runs[f"floor {kind}"]) for kind in FLOORS}
     for size in sizes:
         by = {kind: runs[f"{size // MiB} MiB {kind}"] for kind in kinds}
         best_bare = [max(a, b) for a, b in zip(by["bare_seq"], by["bare_x4"])]
@@ -748,9 +748,9 @@ def ceilings(nbytes: int, gbps: dict[str, float], floors: dict[str, float]) -> d
     best = min(ms["bare_seq"], ms["bare_x4"])
     return {
         "stream_cached_seq": best / ms["bare_seq"],
-        "stream_computed_seq": best / (ms["bare_seq"] + floors["decode"]),
-        "stream_computed_x4": best / (ms["bare_x4"] + floors["decode"] / (os.cpu_count() or 1)),
-        "shm_seq_vs_zmq": ms["zmq"] / floors["ack"],
+        "stream_computed_seq": best / (ms["bare_seq"] + floors["jpeg_decode"]),
+        "stream_computed_x4": best / (ms["bare_x4"] + floors["jpeg_decode"] / (os.cpu_count() or 1)),
+        "shm_seq_vs_zmq": ms["zmq"] / floors["request_ack"],
     }
 
 
