@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs the project with the server, gateway and test extras (what
 # the tests need; a prefill node needs none: `pip install encoder-service` is the receiver alone).
-# torch: the CPU build is installed explicitly first, so that no CUDA build is pulled in on a
-# machine without a GPU. Set TORCH_SPEC (e.g. "torch==2.13.0") or PIP_TORCH_ARGS (e.g. an
-# --index-url for CPU wheels) to change that; the Dockerfile installs the CUDA build instead.
+# torch and torchvision are installed explicitly first, as a pair that loads together, so that pip
+# never picks a torch for us. The server needs torchvision: it runs the checkpoint's processor with
+# transformers' torchvision backend, as vLLM and SGLang do. The package index has no CPU build of
+# torchvision, and its torchvision does not load beside the CPU-only torch wheel
+# ("operator torchvision::nms does not exist"), so the pair is the index's regular torch build (it
+# runs on the CPU) with the torchvision made for it. Set TORCH_SPEC (e.g. "torch==2.14.1
+# torchvision==0.29.1") or PIP_TORCH_ARGS (e.g. an --index-url for CPU wheels) to change that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -11,8 +15,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
+  # The `!=` keeps the local CPU-only wheel of the same version out.
   # shellcheck disable=SC2086
-  .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" ${PIP_TORCH_ARGS:-}
+  .venv/bin/python -m pip install -q ${TORCH_SPEC:-"torch==2.13.0,!=2.13.0+cpu" torchvision==0.28.0} ${PIP_TORCH_ARGS:-}
 fi
 .venv/bin/python -m pip install -q -e ".[server,gateway,test]"
