@@ -27,10 +27,10 @@ COPY protos ./protos
 COPY encoder_common ./encoder_common
 COPY encoder_server ./encoder_server
 COPY receiver ./receiver
-# The server extra: the model stack. The base image's CUDA torch satisfies the torch requirement, so
-# pip keeps it.
+# The server extra: the model stack. The base image's CUDA torch and torchvision (the processors'
+# torchvision backend, which runs preprocessing on the GPU) satisfy those requirements, so pip keeps them.
 RUN pip install --no-cache-dir "./[server]" \
-    && python -c "import torch, protos.encoder_pb2, encoder_server.server, receiver" \
+    && python -c "import torch, torchvision, protos.encoder_pb2, encoder_server.server, receiver" \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin encoder
 
 USER 10001
