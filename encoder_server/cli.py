@@ -9,6 +9,7 @@ import sys
 
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
 from encoder_common.malloc import tune_malloc
+from encoder_common.sources import add_deprecated_source_flags
 
 from .config import ServerConfig
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     """One flag per ServerConfig setting (defaults and help from its fields), and --log-level."""
     p = EnvDefaultsParser(prog="encoder-server", env_prefix="ENCODER_", description="Serve a VLM's vision tower over gRPC.")
     add_config_flags(p, ServerConfig)
+    add_deprecated_source_flags(p)
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
