@@ -47,8 +47,8 @@ def internal_kind(address: IPAddress) -> str | None:
         ("link-local", address.is_link_local),
         ("multicast", address.is_multicast),
         ("unique-local", isinstance(address, ipaddress.IPv6Address) and address in ipaddress.ip_network("fc00::/7")),
-        ("private", address.is_private),
         ("reserved", address.is_reserved),
+        ("private", address.is_private),
         ("non-global", not address.is_global),  # shared (carrier NAT), documentation, benchmarking ranges
     )
     return next((kind for kind, hit in checks if hit), None)
@@ -183,8 +183,9 @@ def _check_address(host: str, address: IPAddress, limits: FetchLimits) -> None:
     kind = internal_kind(address)
     if kind is not None:
         named = host if host == str(address) else f"{host} resolves to {address}, which"
+        article = "an" if kind.startswith("unspecified") else "a"
         raise _Refused(
-            f"{named} is a {kind} address; internal addresses are reached only with --http-urls any "
+            f"{named} is {article} {kind} address; internal addresses are reached only with --http-urls any "
             "or --http-allow-networks"
         )
 
