@@ -12,6 +12,7 @@ from pathlib import Path
 from encoder_common import env_flags
 from encoder_common.collector import freeze_startup_objects
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
+from encoder_common.extras import require_extra
 from encoder_common.malloc import tune_malloc
 from encoder_common.sources import add_deprecated_source_flags
 
@@ -80,6 +81,7 @@ async def serve(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    require_extra("gateway", "encoder-gateway")
     args = build_parser().parse_args(argv)
     tune_malloc()  # embeddings of a megabyte and more arrive here: see encoder_common.malloc
     logging.basicConfig(

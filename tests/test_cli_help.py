@@ -214,7 +214,7 @@ def test_console_scripts_point_at_the_commands():
     assert scripts == {
         "encoder-server": "encoder_server.cli:main",
         "encoder-client": "receiver.cli:main",
-        "encoder-precompute": "encoder_server.precompute:main",
+        "encoder-precompute": "encoder_server.precompute_cli:main",
         "encoder-gateway": "gateway.cli:main",
     }
     for command, (module, build, _, _) in COMMANDS.items():
