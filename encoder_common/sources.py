@@ -108,11 +108,11 @@ def add_deprecated_source_flags(parser: EnvDefaultsParser) -> None:
         args.fetch_timeout_s = value
 
     # In this order: --allow-http turns fetching on before the internal-address flags widen it.
-    parser.add_deprecated("--allow-file-root", file_root, "--file-roots", default=None)
+    parser.add_deprecated("--allow-file-root", file_root, "--file-roots", default=None, metavar="DIR")
     parser.add_deprecated("--allow-http", allow_http, "--http-urls public", action="store_true", default=False)
     for name in ("--allow-private-hosts", "--allow-internal-urls"):
         parser.add_deprecated(name, allow_internal, "--http-urls any", action="store_true", default=False)
-    parser.add_deprecated("--fetch-timeout", fetch_timeout, "--fetch-timeout-s", type=float, default=None)
+    parser.add_deprecated("--fetch-timeout", fetch_timeout, "--fetch-timeout-s", type=float, default=None, metavar="SECONDS")
 
 
 class SourceReader:
