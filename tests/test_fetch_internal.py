@@ -283,3 +283,17 @@ def test_old_flag_names_still_work_with_a_warning(monkeypatch):
     for old, new in (("--allow-file-root", "--file-roots"), ("--allow-http", "--http-urls public"),
                      ("--allow-private-hosts", "--http-urls any")):  # fmt: skip
         assert f"encoder-server: {old} is deprecated; use {new}" in done.stderr
+
+
+def test_the_receiver_reads_files_with_the_same_size_cap(tmp_path):
+    from receiver.items import read_image_bytes
+
+    big = tmp_path / "big.png"
+    with big.open("wb") as f:
+        f.truncate(SourcePolicy.max_fetch_bytes + 1)  # sparse: costs no disk
+    with pytest.raises(InvalidItemError, match=f"item 2: .*over the limit of {SourcePolicy.max_fetch_bytes} bytes"):
+        read_image_bytes({"url": big.as_uri()}, 2, None)
+    (tmp_path / "a.png").write_bytes(PNG)
+    assert read_image_bytes({"url": (tmp_path / "a.png").as_uri()}, 0, None) == PNG
+    with pytest.raises(InvalidItemError, match="item 0: http:// URLs are not read here"):
+        read_image_bytes({"url": "http://example.com/a.png"}, 0, None)
