@@ -22,7 +22,9 @@ class EnvDefaultsParser(argparse.ArgumentParser):
         self._deprecated: list[tuple[str, Callable[[argparse.Namespace, Any], None], str]] = []
         super().__init__(*args, **kwargs)
 
-    def add_deprecated(self, name: str, apply: Callable[[argparse.Namespace, Any], None], instead: str, **kwargs) -> None:
+    def add_deprecated(
+        self, name: str, apply: Callable[[argparse.Namespace, Any], None], instead: str, **kwargs
+    ) -> None:
         """An old option still accepted (from its environment variable too): when given, a warning naming
         `instead` goes to stderr and `apply(namespace, value)` sets the new options from its value."""
         self._deprecated.append((name, apply, instead))
@@ -102,7 +104,12 @@ class _Option:
 
 
 def add_config_flags(
-    parser: argparse.ArgumentParser, settings: type, *, prefix: str = "", optional: bool = False, defaults: Any = None
+    parser: argparse.ArgumentParser,
+    settings: type,
+    *,
+    prefix: str = "",
+    optional: bool = False,
+    defaults: Any = None,
 ) -> None:
     """Adds a flag for every flagged field of the dataclass `settings` (and of its sections), in
     field order. Fields without a default are required, unless their section is optional.
@@ -117,7 +124,8 @@ def add_config_flags(
                 _add_option(parser, _switch(f, spec.switch, prefix), False, None)
             made = None if f.default_factory is dataclasses.MISSING else f.default_factory()
             add_config_flags(
-                parser, _section_type(f, spec), prefix=prefix + spec.prefix, optional=f.default is None, defaults=made
+                parser, _section_type(f, spec), prefix=prefix + spec.prefix, optional=f.default is None,
+                defaults=made,
             )
         elif isinstance(spec, Flag):
             default = _default(f) if defaults is None else getattr(defaults, f.name)

@@ -27,6 +27,7 @@ Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
 
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv4 addresses reached through a NAT64 gateway
+_UNIQUE_LOCAL = ipaddress.ip_network("fc00::/7")
 
 
 def internal_kind(address: IPAddress) -> str | None:
@@ -46,7 +47,7 @@ def internal_kind(address: IPAddress) -> str | None:
         ("loopback", address.is_loopback),
         ("link-local", address.is_link_local),
         ("multicast", address.is_multicast),
-        ("unique-local", isinstance(address, ipaddress.IPv6Address) and address in ipaddress.ip_network("fc00::/7")),
+        ("unique-local", isinstance(address, ipaddress.IPv6Address) and address in _UNIQUE_LOCAL),
         ("reserved", address.is_reserved),
         ("private", address.is_private),
         ("non-global", not address.is_global),  # shared (carrier NAT), documentation, benchmarking ranges
@@ -77,7 +78,9 @@ class _PinnedResolver(AbstractResolver):
     def __init__(self) -> None:
         self.pinned: dict[str, list[str]] = {}
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         addresses = self.pinned.get(host)
         if not addresses:  # never reached: every hop's name is pinned before its request
             raise OSError(f"{host} was not checked before connecting")
@@ -145,13 +148,15 @@ async def _fetch(
                     return await _body(response, limits.max_bytes)
                 location = response.headers.get("Location")
                 if hops == limits.max_redirects or not location:
-                    why = f"more redirects than --max-redirects {limits.max_redirects}" if location else "no Location"
-                    raise _Refused(f"HTTP {response.status} with {why}")
+                    why = f"more redirects than --max-redirects {limits.max_redirects}"
+                    raise _Refused(f"HTTP {response.status} with {why if location else 'no Location'}")
                 target = target.join(URL(location))
                 hops += 1
 
 
-async def _check_target(target: URL, limits: FetchLimits, resolve: Resolve, resolver: _PinnedResolver) -> None:
+async def _check_target(
+    target: URL, limits: FetchLimits, resolve: Resolve, resolver: _PinnedResolver
+) -> None:
     """Refuses a URL whose scheme is not http(s) or whose host has no address the limits allow; pins the
     allowed addresses of a host name for the connection that follows."""
     if target.scheme not in ("http", "https"):

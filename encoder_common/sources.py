@@ -77,7 +77,8 @@ class SourcePolicy:
         ),
     )
     max_redirects: int = field(
-        default=3, metadata=flag("redirects one http(s) fetch follows, each checked like the first URL (0: none)")
+        default=3,
+        metadata=flag("redirects one http(s) fetch follows, each checked like the first URL (0: none)"),
     )
     max_fetch_bytes: int = field(
         default=32 << 20, metadata=flag("largest image read from an http(s) URL, a file or a data: URI")
@@ -108,11 +109,14 @@ def add_deprecated_source_flags(parser: EnvDefaultsParser) -> None:
         args.fetch_timeout_s = value
 
     # In this order: --allow-http turns fetching on before the internal-address flags widen it.
+    switch = dict(action="store_true", default=False)
     parser.add_deprecated("--allow-file-root", file_root, "--file-roots", default=None, metavar="DIR")
-    parser.add_deprecated("--allow-http", allow_http, "--http-urls public", action="store_true", default=False)
+    parser.add_deprecated("--allow-http", allow_http, "--http-urls public", **switch)
     for name in ("--allow-private-hosts", "--allow-internal-urls"):
-        parser.add_deprecated(name, allow_internal, "--http-urls any", action="store_true", default=False)
-    parser.add_deprecated("--fetch-timeout", fetch_timeout, "--fetch-timeout-s", type=float, default=None, metavar="SECONDS")
+        parser.add_deprecated(name, allow_internal, "--http-urls any", **switch)
+    parser.add_deprecated(
+        "--fetch-timeout", fetch_timeout, "--fetch-timeout-s", type=float, default=None, metavar="SECONDS"
+    )
 
 
 class SourceReader:
@@ -125,7 +129,7 @@ class SourceReader:
         self._roots = tuple(root.resolve() for root in policy.file_roots)
 
     async def read(self, url: str) -> bytes:
-        """The bytes of a `data:`, `file://` or http(s) URL; files and large data: URIs are read on a thread."""
+        """The bytes of a `data:`, `file://` or http(s) URL; files and large `data:` URIs on a thread."""
         scheme = _scheme(url)
         if scheme in ("http", "https"):
             return await self._fetch(url, scheme)
@@ -143,16 +147,22 @@ class SourceReader:
             return data
         if scheme == "file":
             if not self._roots:
-                raise InvalidItemError("file:// URLs are disabled here (no --file-roots); send the bytes instead")
+                raise InvalidItemError(
+                    "file:// URLs are disabled here (no --file-roots); send the bytes instead"
+                )
             return read_file_url(url, self._roots, max_bytes=limit)
         if scheme in ("http", "https"):
             raise InvalidItemError(f"{scheme}:// URLs are not read here; send the bytes or a file:// URL")
-        raise InvalidItemError(f"unsupported URL scheme {scheme or '(none)'!r}; use data:, file:// or http(s)://")
+        raise InvalidItemError(
+            f"unsupported URL scheme {scheme or '(none)'!r}; use data:, file:// or http(s)://"
+        )
 
     async def _fetch(self, url: str, scheme: str) -> bytes:
         policy = self.policy
         if policy.http_urls == "off":
-            raise InvalidItemError(f"{scheme}:// URLs are disabled here (--http-urls off); send the bytes instead")
+            raise InvalidItemError(
+                f"{scheme}:// URLs are disabled here (--http-urls off); send the bytes instead"
+            )
         try:
             from encoder_common import http_fetch
         except ModuleNotFoundError as exc:

@@ -32,9 +32,11 @@ class GatewayConfig:
         default=None,
         metadata=flag("deadline of one engine call, seconds (default: none)", name="--engine-timeout", type=float),
     )
-    # The gateway fronts OpenAI clients, who send http(s) image URLs: fetched by default, public addresses only.
+    # The gateway fronts OpenAI clients, who send http(s) image URLs: fetched by default, from public
+    # addresses only.
     sources: SourcePolicy = field(
-        default_factory=functools.partial(SourcePolicy, http_urls="public"), metadata=section(settings=SourcePolicy)
+        default_factory=functools.partial(SourcePolicy, http_urls="public"),
+        metadata=section(settings=SourcePolicy),
     )
     pass_non_image: bool = field(
         default=False, metadata=flag("forward video/audio parts to the engine untouched instead of answering 400")

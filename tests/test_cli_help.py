@@ -112,7 +112,8 @@ def flag_text(value: object) -> str:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_reads_its_environment_variable(command, monkeypatch):
     _, build, prefix, required_args = COMMANDS[command]
-    actions = [a for a in options(build()) if not a.dest.startswith("deprecated_")]  # tests/test_fetch_internal.py
+    # The deprecated ones set other options: tests/test_fetch_internal.py.
+    actions = [a for a in options(build()) if not a.dest.startswith("deprecated_")]
     for action in actions:
         monkeypatch.delenv(env_name(prefix, action), raising=False)
     monkeypatch.setenv("ENCODER_MODEL", "/models/base")  # the required flags, from the environment
@@ -144,7 +145,8 @@ def clear_env(monkeypatch, command: str) -> None:
 def test_the_server_flags_build_its_config_with_the_configs_own_defaults(monkeypatch):
     clear_env(monkeypatch, "encoder-server")
     assert config_from_args(ServerConfig, cli.build_parser().parse_args(["--model", "m"])) == ServerConfig(model="m")
-    flags = ["--model", "m", "--batch-wait-ms", "2", "--file-roots", "/srv", "--no-warmup", "--dtype", "float32"]
+    flags = ["--model", "m", "--batch-wait-ms", "2", "--file-roots", "/srv", "--no-warmup"]
+    flags += ["--dtype", "float32"]
     flags += ["--tls-cert-file", "c.pem", "--tls-key-file", "k.pem", "--shm-transfer", "--shm-max-bytes", "1024"]
     monkeypatch.setenv("ENCODER_METRICS_PORT", "9100")
     assert config_from_args(ServerConfig, cli.build_parser().parse_args(flags)) == ServerConfig(

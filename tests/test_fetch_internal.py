@@ -49,7 +49,8 @@ class Listener:
 
     async def start(self, tls: ssl.SSLContext) -> None:
         loop = asyncio.get_running_loop()
-        for name, host, context in (("v4", "127.0.0.1", None), ("tls", "127.0.0.1", tls), ("v6", "::1", None)):
+        listening = (("v4", "127.0.0.1", None), ("tls", "127.0.0.1", tls), ("v6", "::1", None))
+        for name, host, context in listening:
             server = await loop.create_server(self._protocol, host, 0, ssl=context)
             self.servers.append(server)
             self.ports[name] = server.sockets[0].getsockname()[1]
@@ -71,7 +72,9 @@ def server_tls(pki) -> ssl.SSLContext:
 
 
 @contextlib.asynccontextmanager
-async def site(host: str, redirects: dict[str, str], *, port: int = 0, tls: ssl.SSLContext | None = None) -> AsyncIterator[tuple[int, list[str]]]:
+async def site(
+    host: str, redirects: dict[str, str], *, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[tuple[int, list[str]]]:
     """A web site serving /image.png and the given redirects; yields its port and the paths asked for."""
     asked: list[str] = []
 
@@ -87,7 +90,7 @@ async def site(host: str, redirects: dict[str, str], *, port: int = 0, tls: ssl.
     app.router.add_get("/{tail:.*}", handle)
     runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, host, port, ssl_context=tls).start()
+    await web.TCPSite(runner, host, 0, ssl_context=tls).start()
     try:
         yield runner.addresses[0][1], asked
     finally:
@@ -117,12 +120,13 @@ def internal_urls(ports: dict[str, int], site_port: int) -> list[tuple[str, str]
     """(URL, what the refusal must say) for every way into the listener this test knows."""
     v4, tls, v6 = ports["v4"], ports["tls"], ports["v6"]
     redirected = f"http://{PUBLIC_NAME}:{site_port}"
+    by_name = f"{INTERNAL_NAME} resolves to 127.0.0.1, which is a loopback address"
     return [
         (f"http://127.0.0.1:{v4}/a.png", "127.0.0.1 is a loopback address"),
         (f"https://127.0.0.1:{tls}/a.png", "127.0.0.1 is a loopback address"),
         (f"http://localhost:{v4}/a.png", "localhost resolves to"),
-        (f"http://{INTERNAL_NAME}:{v4}/a.png", f"{INTERNAL_NAME} resolves to 127.0.0.1, which is a loopback address"),
-        (f"https://{INTERNAL_NAME}:{tls}/a.png", f"{INTERNAL_NAME} resolves to 127.0.0.1, which is a loopback address"),
+        (f"http://{INTERNAL_NAME}:{v4}/a.png", by_name),
+        (f"https://{INTERNAL_NAME}:{tls}/a.png", by_name),
         (f"http://[::1]:{v6}/", "::1 is a loopback address"),
         (f"http://[::ffff:127.0.0.1]:{v4}/", "loopback (inside the IPv6 address ::ffff:7f00:1)"),
         (f"http://0.0.0.0:{v4}/", "0.0.0.0 is an unspecified address"),
@@ -166,10 +170,12 @@ async def test_the_gateway_refuses_every_internal_url_without_connecting(server,
     site_port, asked = redirecting_site
     async with gateway([server.url], sources=POLICY) as url:
         for image_url, why in internal_urls(listener.ports, site_port):
-            status, _, reply = await post(url, chat_request("m", [{"type": "image_url", "image_url": {"url": image_url}}]))
+            part = {"type": "image_url", "image_url": {"url": image_url}}
+            status, _, reply = await post(url, chat_request("m", [part]))
             message = reply["error"]["message"]
             assert status == 400, (image_url, status, message)
-            assert message.startswith(f"message 0 part 0: fetching {image_url} refused: ") and why in message, message
+            assert message.startswith(f"message 0 part 0: fetching {image_url} refused: "), message
+            assert why in message, message
     assert await listener.settle() == 0
     assert sorted(set(asked)) == ["/to-name", "/to-tls", "/to-v4", "/to-v6"]  # the first hops were made
 
@@ -178,9 +184,11 @@ async def test_the_server_refuses_every_internal_url_without_connecting(server, 
     site_port, _ = redirecting_site
     async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
         for url, why in internal_urls(listener.ports, site_port):
-            reply = await call_encode(channel, pb.EncodeRequest(request_id="ssrf", items=[item(url=url, index=3)]))
+            request = pb.EncodeRequest(request_id="ssrf", items=[item(url=url, index=3)])
+            reply = await call_encode(channel, request)
             assert reply.code == grpc.StatusCode.INVALID_ARGUMENT, (url, reply.code, reply.details)
-            assert reply.details.startswith(f"item 3: fetching {url} refused: ") and why in reply.details, reply.details
+            assert reply.details.startswith(f"item 3: fetching {url} refused: "), reply.details
+            assert why in reply.details, reply.details
         # ...and still serves an allowed URL: the allowed site, by a public-looking name, through a redirect.
         allowed = item(url=f"http://{PUBLIC_NAME}:{site_port}/to-image")
         reply = await call_encode(channel, pb.EncodeRequest(request_id="ok", items=[allowed]))
@@ -201,17 +209,19 @@ async def test_the_sglang_reader_refuses_the_same(server, listener, redirecting_
 
 async def test_with_internal_addresses_allowed_a_loopback_fetch_works():
     async with site("127.0.0.1", {"/hop": "/image.png", "/loop": "/loop"}) as (port, asked):
+        image = f"http://127.0.0.1:{port}/image.png"
         reader = SourceReader(SourcePolicy(http_urls="any", max_redirects=2))
-        assert await reader.read(f"http://127.0.0.1:{port}/image.png") == PNG
+        assert await reader.read(image) == PNG
         assert await reader.read(f"http://localhost:{port}/hop") == PNG
         with pytest.raises(InvalidItemError, match="HTTP 302 with more redirects than --max-redirects 2"):
             await reader.read(f"http://127.0.0.1:{port}/loop")
         with pytest.raises(InvalidItemError, match="failed: HTTP 404"):
             await reader.read(f"http://127.0.0.1:{port}/missing.png")
         with pytest.raises(InvalidItemError, match=f"its body is {len(PNG)} bytes, over the limit of 100"):
-            await SourceReader(SourcePolicy(http_urls="any", max_fetch_bytes=100)).read(f"http://127.0.0.1:{port}/image.png")
+            await SourceReader(SourcePolicy(http_urls="any", max_fetch_bytes=100)).read(image)
         with pytest.raises(InvalidItemError, match="HTTP 302 with more redirects than --max-redirects 0"):
-            await SourceReader(SourcePolicy(http_urls="any", max_redirects=0)).read(f"http://127.0.0.1:{port}/hop")
+            no_redirects = SourceReader(SourcePolicy(http_urls="any", max_redirects=0))
+            await no_redirects.read(f"http://127.0.0.1:{port}/hop")
     assert asked.count("/loop") == 3
 
 
@@ -223,10 +233,11 @@ async def test_tls_is_checked_against_the_host_name_of_the_pinned_address(pki):
     calls: list[str] = []
     resolve = resolver({"other.example.com": ["127.0.0.1"]}, calls)
     async with site("127.0.0.1", {}, tls=server_tls(pki)) as (port, asked):
-        assert await fetch_http(f"https://localhost:{port}/image.png", allow, ssl_context=client, resolve=resolve) == PNG
-        assert await fetch_http(f"https://127.0.0.1:{port}/image.png", allow, ssl_context=client) == PNG
+        trusting = dict(ssl_context=client, resolve=resolve)
+        assert await fetch_http(f"https://localhost:{port}/image.png", allow, **trusting) == PNG
+        assert await fetch_http(f"https://127.0.0.1:{port}/image.png", allow, **trusting) == PNG
         with pytest.raises(InvalidItemError, match="failed: TLS: .*(hostname|match)"):
-            await fetch_http(f"https://other.example.com:{port}/image.png", allow, ssl_context=client, resolve=resolve)
+            await fetch_http(f"https://other.example.com:{port}/image.png", allow, **trusting)
         with pytest.raises(InvalidItemError, match="failed: TLS: .*certificate verify failed"):
             await fetch_http(f"https://localhost:{port}/image.png", allow)  # the system's CAs only
     assert calls == ["localhost", "other.example.com"]  # once per fetch: the connection used that answer
@@ -242,9 +253,10 @@ async def test_a_name_that_rebinds_after_the_check_is_not_followed(listener):
 
     async with site(SITE_ADDRESS, {}) as (port, asked):
         limits = FetchLimits(allow_networks=(ipaddress.ip_network(SITE_ADDRESS),), timeout_s=5.0)
-        assert await fetch_http(f"http://rebind.example.com:{port}/image.png", limits, resolve=rebinding) == PNG
+        url = f"http://rebind.example.com:{port}/image.png"
+        assert await fetch_http(url, limits, resolve=rebinding) == PNG
         with pytest.raises(InvalidItemError, match="resolves to 127.0.0.1"):  # a second fetch asks again
-            await fetch_http(f"http://rebind.example.com:{port}/image.png", limits, resolve=rebinding)
+            await fetch_http(url, limits, resolve=rebinding)
     assert asked == ["/image.png"]
     assert await listener.settle() == 0
 
@@ -252,7 +264,8 @@ async def test_a_name_that_rebinds_after_the_check_is_not_followed(listener):
 @pytest.mark.parametrize(
     "address, kind",
     [
-        ("127.0.0.1", "loopback"), ("10.1.2.3", "private"), ("172.16.0.1", "private"), ("192.168.1.1", "private"),
+        ("127.0.0.1", "loopback"), ("10.1.2.3", "private"), ("172.16.0.1", "private"),
+        ("192.168.1.1", "private"),
         ("169.254.169.254", "link-local"), ("100.64.0.1", "non-global"), ("0.0.0.0", "unspecified"),
         ("224.0.0.1", "multicast"), ("240.0.0.1", "reserved"), ("::1", "loopback"), ("fe80::1", "link-local"),
         ("fd00::1", "unique-local"), ("ff02::1", "multicast"), ("::", "unspecified"),
@@ -266,18 +279,20 @@ def test_internal_address_kinds(address, kind):
 
 
 def test_old_flag_names_still_work_with_a_warning(monkeypatch):
-    """The gateway's and the server's old source flags (and their environment variables) map onto the new ones."""
+    """The gateway's and the server's old source flags (and their environment variables) map onto the
+    new ones."""
     required = ["--engine-url", "http://e:8000", "--encoders", "grpc://a:1"]
     monkeypatch.setenv("ENCODER_GATEWAY_ALLOW_INTERNAL_URLS", "true")
     config = gateway_config(gateway_parser().parse_args([*required, "--fetch-timeout", "3"]))
     assert config.sources.http_urls == "any" and config.sources.fetch_timeout_s == 3.0
-    done = subprocess.run(
-        [sys.executable, "-c", "from encoder_server import cli; from encoder_common.env_flags import config_from_args;"
-         "from encoder_server.config import ServerConfig;"
-         "args = cli.build_parser().parse_args(['--model', 'm', '--allow-file-root', '/srv', '--allow-private-hosts', '--allow-http']);"
-         "print(config_from_args(ServerConfig, args).sources)"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    old_flags = ["--model", "m", "--allow-file-root", "/srv", "--allow-private-hosts", "--allow-http"]
+    code = (
+        "from encoder_server import cli; from encoder_common.env_flags import config_from_args\n"
+        "from encoder_server.config import ServerConfig\n"
+        f"print(config_from_args(ServerConfig, cli.build_parser().parse_args({old_flags!r})).sources)"
+    )
+    command = [sys.executable, "-c", code]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "file_roots=(PosixPath('/srv'),), http_urls='any'" in done.stdout
     for old, new in (("--allow-file-root", "--file-roots"), ("--allow-http", "--http-urls public"),
@@ -288,10 +303,10 @@ def test_old_flag_names_still_work_with_a_warning(monkeypatch):
 def test_the_receiver_reads_files_with_the_same_size_cap(tmp_path):
     from receiver.items import read_image_bytes
 
-    big = tmp_path / "big.png"
+    big, limit = tmp_path / "big.png", SourcePolicy.max_fetch_bytes
     with big.open("wb") as f:
-        f.truncate(SourcePolicy.max_fetch_bytes + 1)  # sparse: costs no disk
-    with pytest.raises(InvalidItemError, match=f"item 2: .*over the limit of {SourcePolicy.max_fetch_bytes} bytes"):
+        f.truncate(limit + 1)  # sparse: costs no disk
+    with pytest.raises(InvalidItemError, match=f"item 2: .*over the limit of {limit} bytes"):
         read_image_bytes({"url": big.as_uri()}, 2, None)
     (tmp_path / "a.png").write_bytes(PNG)
     assert read_image_bytes({"url": (tmp_path / "a.png").as_uri()}, 0, None) == PNG

@@ -14,7 +14,12 @@ from testkit import REPO_ROOT
 
 SCRIPTS = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 # command -> the extra it needs (None: the base install is enough)
-EXTRAS = {"encoder-server": "server", "encoder-precompute": "server", "encoder-gateway": "gateway", "encoder-client": None}
+EXTRAS = {
+    "encoder-server": "server",
+    "encoder-precompute": "server",
+    "encoder-gateway": "gateway",
+    "encoder-client": None,
+}
 
 
 def run_hiding(entry_point: str, hidden: list[str], *args: str) -> subprocess.CompletedProcess:
@@ -23,7 +28,8 @@ def run_hiding(entry_point: str, hidden: list[str], *args: str) -> subprocess.Co
         f"import sys\nfor name in {hidden!r}: sys.modules[name] = None\n"
         f"from {module} import {function}\nsys.exit({function}({list(args)!r}))"
     )
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-c", code]
+    return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_every_console_script_has_its_extra_named():
@@ -36,7 +42,8 @@ def test_a_missing_extra_is_one_line_and_a_non_zero_exit(command):
     for module in EXTRA_MODULES[extra]:
         done = run_hiding(SCRIPTS[command], [module], "--help")
         assert done.returncode == 1, (module, done.stderr)
-        assert done.stderr == f"{command}: missing {module}; install it with: pip install 'encoder-service[{extra}]'\n"
+        expected = f"{command}: missing {module}; install it with: pip install 'encoder-service[{extra}]'\n"
+        assert done.stderr == expected
         assert done.stdout == ""
 
 
