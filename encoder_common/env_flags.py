@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,26 @@ class EnvDefaultsParser(argparse.ArgumentParser):
 
     def __init__(self, *args, env_prefix: str, **kwargs):
         self.env_prefix = env_prefix
+        self._deprecated: list[tuple[str, Callable[[argparse.Namespace, Any], None], str]] = []
         super().__init__(*args, **kwargs)
+
+    def add_deprecated(
+        self, name: str, apply: Callable[[argparse.Namespace, Any], None], instead: str, **kwargs
+    ) -> None:
+        """An old option still accepted (from its environment variable too): when given, a warning naming
+        `instead` goes to stderr and `apply(namespace, value)` sets the new options from its value."""
+        self._deprecated.append((name, apply, instead))
+        self.add_argument(name, dest=_deprecated_dest(name), help=f"deprecated: use {instead}", **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        for name, apply, instead in self._deprecated:
+            value = getattr(namespace, _deprecated_dest(name), None)
+            delattr(namespace, _deprecated_dest(name))
+            if value not in (None, False):
+                print(f"{self.prog}: {name} is deprecated; use {instead}", file=sys.stderr)
+                apply(namespace, value)
+        return namespace, rest
 
     def add_argument(self, *names, **kwargs):
         long_name = next((n for n in names if n.startswith("--")), None)
@@ -83,17 +103,33 @@ class _Option:
         return self.name[2:].replace("-", "_")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, settings: type, *, prefix: str = "", optional: bool = False) -> None:
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    settings: type,
+    *,
+    prefix: str = "",
+    optional: bool = False,
+    defaults: Any = None,
+) -> None:
     """Adds a flag for every flagged field of the dataclass `settings` (and of its sections), in
-    field order. Fields without a default are required, unless their section is optional."""
+    field order. Fields without a default are required, unless their section is optional.
+
+    A section's flags default to the values of the instance its field's default_factory makes, so one
+    settings class can serve two commands with different defaults; `defaults` is that instance.
+    """
     for f in dataclasses.fields(settings):
         spec = f.metadata.get(METADATA_KEY)
         if isinstance(spec, Section):
             if spec.switch is not None:
-                _add_option(parser, _switch(f, spec.switch, prefix), False)
-            add_config_flags(parser, _section_type(f, spec), prefix=prefix + spec.prefix, optional=f.default is None)
+                _add_option(parser, _switch(f, spec.switch, prefix), False, None)
+            made = None if f.default_factory is dataclasses.MISSING else f.default_factory()
+            add_config_flags(
+                parser, _section_type(f, spec), prefix=prefix + spec.prefix, optional=f.default is None,
+                defaults=made,
+            )
         elif isinstance(spec, Flag):
-            _add_option(parser, _option(f, spec, prefix), optional)
+            default = _default(f) if defaults is None else getattr(defaults, f.name)
+            _add_option(parser, _option(f, spec, prefix), optional, default)
 
 
 def config_from_args(settings: type, args: argparse.Namespace, *, prefix: str = "", **given: Any) -> Any:
@@ -157,8 +193,8 @@ def _default(f: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
-def _add_option(parser: argparse.ArgumentParser, option: _Option, optional: bool) -> None:
-    spec, default = option.spec, _default(option.field)
+def _add_option(parser: argparse.ArgumentParser, option: _Option, optional: bool, default: Any) -> None:
+    spec = option.spec
     kwargs: dict[str, Any] = {"dest": option.dest, "help": spec.help}
     if option.switch or isinstance(default, bool):
         kwargs.update(action="store_true", default=False)
@@ -175,3 +211,7 @@ def _add_option(parser: argparse.ArgumentParser, option: _Option, optional: bool
 def comma_separated(text: str) -> tuple[str, ...]:
     """A flag's comma-separated list as a tuple, blanks around and between the commas dropped."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _deprecated_dest(name: str) -> str:
+    return "deprecated_" + name[2:].replace("-", "_")

@@ -1,4 +1,4 @@
-"""Reads `file://` URLs confined to allowed directories: the receiver's reading, and the server's where enabled.
+"""Reads `file://` URLs confined to allowed directories, size-capped: encoder_common.sources' file reading.
 
 Errors name the URL as the caller gave it, never the resolved path, so a server does not reveal
 its file system layout to clients.
@@ -15,12 +15,11 @@ from pathlib import Path
 from encoder_common.errors import InvalidItemError
 
 
-def read_file_url(url: str, roots: Sequence[Path] | None, *, max_bytes: int | None = None) -> bytes:
+def read_file_url(url: str, roots: Sequence[Path], *, max_bytes: int) -> bytes:
     """The bytes of the file a `file://` URL names.
 
-    `roots` are resolved directories the file must lie in after symlinks and `..` are resolved
-    (None: any path). `max_bytes` bounds the read, so a device file or a huge file cannot
-    exhaust memory.
+    `roots` are resolved directories the file must lie in after symlinks and `..` are resolved.
+    `max_bytes` bounds the read, so a device file or a huge file cannot exhaust memory.
     """
     shown = url if len(url) <= 200 else url[:200] + "..."
     parsed = urllib.parse.urlparse(url)
@@ -29,14 +28,14 @@ def read_file_url(url: str, roots: Sequence[Path] | None, *, max_bytes: int | No
     if parsed.netloc not in ("", "localhost"):
         raise InvalidItemError(f"file:// URL names a remote host {parsed.netloc!r}")
     path = Path(urllib.request.url2pathname(parsed.path)).resolve()
-    if roots is not None and not any(path.is_relative_to(root) for root in roots):
+    if not any(path.is_relative_to(root) for root in roots):
         raise InvalidItemError(f"{shown} is outside the allowed directories")
     try:
         with path.open("rb") as f:
-            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+            data = f.read(max_bytes + 1)
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno else exc.__class__.__name__
         raise InvalidItemError(f"cannot read {shown}: {reason}") from None
-    if max_bytes is not None and len(data) > max_bytes:
+    if len(data) > max_bytes:
         raise InvalidItemError(f"{shown} is over the limit of {max_bytes} bytes")
     return data

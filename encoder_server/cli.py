@@ -1,5 +1,5 @@
-"""`encoder-server`: parses flags (each also read from an ENCODER_* environment variable), sets up
-logging and malloc, then loads the model and serves."""
+"""`encoder-server`: checks the server extra is installed, parses flags (each also read from an ENCODER_*
+environment variable), sets up logging and malloc, then loads the model and serves."""
 
 from __future__ import annotations
 
@@ -8,20 +8,24 @@ import logging
 import sys
 
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
+from encoder_common.extras import require_extra
 from encoder_common.malloc import tune_malloc
-
-from .config import ServerConfig
+from encoder_common.sources import add_deprecated_source_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per ServerConfig setting (defaults and help from its fields), and --log-level."""
+    from .config import ServerConfig  # imports pillow: after main's check for the server extra
+
     p = EnvDefaultsParser(prog="encoder-server", env_prefix="ENCODER_", description="Serve a VLM's vision tower over gRPC.")
     add_config_flags(p, ServerConfig)
+    add_deprecated_source_flags(p)
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
+    require_extra("server", "encoder-server")
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -32,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import asyncio
 
+    from .config import ServerConfig
     from .server import serve
 
     if bool(args.tls_cert_file) != bool(args.tls_key_file):

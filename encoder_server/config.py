@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from encoder_common.env_flags import Flag, flag, section
+from encoder_common.sources import SourcePolicy
 from protos import encoder_pb2 as pb
 
 from .batcher import BatchingConfig
@@ -15,7 +16,6 @@ from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
 from .leases import LeaseConfig
 from .sglang.config import SglangConfig
 from .shm import ShmConfig
-from .sources import SourcePolicy
 from .streams import StreamLimits
 from .tls import TlsConfig
 

@@ -11,6 +11,7 @@ from concurrent.futures import Executor
 
 from protos import encoder_pb2 as pb
 from encoder_common.errors import InvalidItemError
+from encoder_common.sources import SourceReader
 
 from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace, content_key
@@ -19,7 +20,6 @@ from .config import ServerConfig
 from .digests import DigestMemo
 from .images import decode_image
 from .models import PreparedImage, VisionEncoder
-from .sources import item_bytes
 from .streams import StreamCharge
 
 # Items up to this size are read and hashed on the event loop (sha256 runs at 0.4-1.6 GB/s here: at
@@ -47,6 +47,7 @@ class ItemPipeline:
         self.batcher = batcher
         self.preprocess_pool = preprocess_pool
         self.config = config
+        self.sources = SourceReader(config.sources, user_agent="encoder-server")
         self.cache = cache
         self.namespace = cache_namespace(encoder.spec) if keys or cache is not None else None
         self.digests = DigestMemo()
@@ -97,11 +98,17 @@ class ItemPipeline:
         loop = asyncio.get_running_loop()
         admitted = _Admission(self)
         try:
-            inline = item.data if item.WhichOneof("source") == "data" else None  # each access copies it
-            if inline is not None and len(inline) <= INLINE_READ_BYTES:
-                data, key = self._read_item(item, inline)
+            source = item.WhichOneof("source")
+            if source == "data":
+                data = item.data  # each access copies it
+            elif source == "url":
+                data = await self.sources.read(item.url)
             else:
-                data, key = await loop.run_in_executor(self.preprocess_pool, self._read_item, item, inline)
+                raise InvalidItemError("item has neither data nor url")
+            if len(data) <= INLINE_READ_BYTES:
+                key = self._content_key(item, data)
+            else:
+                key = await loop.run_in_executor(self.preprocess_pool, self._content_key, item, data)
             compute = functools.partial(self._compute, data, admitted, charge, item.index)
             if self.cache is None:
                 return await compute(), False, key
@@ -114,16 +121,15 @@ class ItemPipeline:
         finally:
             admitted.done()
 
-    def _read_item(self, item: pb.ImageItem, inline: bytes | None) -> tuple[bytes, bytes | None]:
-        """The item's bytes (`inline`, or read from its URL), checked against the content_sha256 it
-        carries, and, when wanted, its content key; on a preprocessing thread unless small."""
-        data = item_bytes(item, self.config.sources) if inline is None else inline
+    def _content_key(self, item: pb.ImageItem, data: bytes) -> bytes | None:
+        """Checks the item's bytes against the content_sha256 it carries, and gives its content key when
+        wanted; on a preprocessing thread unless small."""
         if self.namespace is None and not item.content_sha256:
-            return data, None
+            return None
         digest = self.digests.sha256(data)
         if item.content_sha256 and digest != item.content_sha256:
             raise InvalidItemError("content_sha256 does not match the item's bytes")
-        return data, None if self.namespace is None else content_key(self.namespace, digest)
+        return None if self.namespace is None else content_key(self.namespace, digest)
 
     async def _compute(self, data: bytes, admitted: _Admission, charge: StreamCharge, index: int) -> ItemPayload:
         """Decode, preprocess, forward (batched with other calls' items) and frame one item.

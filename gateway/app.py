@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from encoder_common.sources import SourceReader
 from receiver import EncoderError, EncoderReceiver
 
 from .config import GatewayConfig
@@ -175,7 +176,7 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
                 handoff=handoff or handoff_for(config.handoff, lease_ttl_s=config.lease_ttl_s),
                 engine_url=config.engine_url,
                 session=session,
-                sources=config.sources,
+                sources=SourceReader(config.sources, user_agent="encoder-gateway"),
                 metrics=GatewayMetrics(receiver.metrics),
                 pass_non_image=config.pass_non_image,
                 encode_timeout_s=config.encode_timeout_s,

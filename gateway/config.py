@@ -3,12 +3,12 @@ and help), and `app.build_app` takes it whole."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from encoder_common.env_flags import comma_separated, flag, section
-
-from .sources import SourcePolicy
+from encoder_common.sources import SourcePolicy
 
 if TYPE_CHECKING:  # the receiver pulls torch: not imported to build the parser (--help stays fast)
     from receiver import ClientTls
@@ -32,7 +32,12 @@ class GatewayConfig:
         default=None,
         metadata=flag("deadline of one engine call, seconds (default: none)", name="--engine-timeout", type=float),
     )
-    sources: SourcePolicy = field(default_factory=SourcePolicy, metadata=section())
+    # The gateway fronts OpenAI clients, who send http(s) image URLs: fetched by default, from public
+    # addresses only.
+    sources: SourcePolicy = field(
+        default_factory=functools.partial(SourcePolicy, http_urls="public"),
+        metadata=section(settings=SourcePolicy),
+    )
     pass_non_image: bool = field(
         default=False, metadata=flag("forward video/audio parts to the engine untouched instead of answering 400")
     )

@@ -17,12 +17,12 @@ import aiohttp
 import grpc
 
 from encoder_common.errors import EncoderError, InvalidItemError
+from encoder_common.sources import SourceReader
 from receiver import EncodeFailedError, EncoderReceiver
 
 from .handoff import Handoff
 from .metrics import GatewayMetrics
 from .protocol import ImagePart, image_parts, replace_parts
-from .sources import SourcePolicy, part_bytes
 
 
 class GatewayError(Exception):
@@ -97,7 +97,7 @@ class ChatCompletionsService:
         handoff: Handoff,
         engine_url: str,
         session: aiohttp.ClientSession,
-        sources: SourcePolicy,
+        sources: SourceReader,
         metrics: GatewayMetrics,
         pass_non_image: bool = False,
         encode_timeout_s: float | None = None,
@@ -112,6 +112,13 @@ class ChatCompletionsService:
         self.pass_non_image = pass_non_image
         self.encode_timeout_s = encode_timeout_s
         self.retry_after_s = retry_after_s
+
+    async def _part_bytes(self, part: ImagePart) -> bytes:
+        """The encoded image bytes an image part names; InvalidItemError names the part on any refusal."""
+        try:
+            return await self.sources.read(part.url)
+        except InvalidItemError as exc:
+            raise InvalidItemError(f"{part.where}: {exc}") from None
 
     async def prepare(self, body: Any) -> dict[str, Any]:
         """The request to send the engine: every image part replaced by its embedding part.
@@ -131,9 +138,7 @@ class ChatCompletionsService:
         handoff = self.handoff.for_request(body)
         started = time.perf_counter()
         try:
-            images = await asyncio.gather(
-                *(asyncio.to_thread(part_bytes, part, self.sources) for part in parts)
-            )
+            images = await asyncio.gather(*(self._part_bytes(part) for part in parts))
             result = await self.receiver.encode(
                 request_id,
                 [{"modality": "image", "data": data} for data in images],

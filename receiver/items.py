@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from encoder_common.data_uri import decode_data_uri
 from encoder_common.errors import InvalidItemError, UnsupportedModalityError
-from encoder_common.file_url import read_file_url
+from encoder_common.sources import SourcePolicy, SourceReader
 
 # The keys an item may carry; anything else is a typo or a feature this receiver lacks, and
 # guessing would send the wrong bytes. An item carrying its embedding may omit data and url.
@@ -49,8 +48,16 @@ def check_items(items: Sequence[Mapping[str, Any]]) -> None:
             raise InvalidItemError(f"item {index}: unknown keys {unknown}; an item may carry {sorted(ITEM_KEYS)}")
 
 
+def local_reader(file_roots: Sequence[Path] | None) -> SourceReader:
+    """The reader of a receiver's items: `data:` URIs and `file://` URLs under `file_roots` (None: any
+    path), each at most SourcePolicy's max_fetch_bytes; http(s) is the caller's to fetch."""
+    roots = (Path("/"),) if file_roots is None else tuple(file_roots)
+    return SourceReader(SourcePolicy(file_roots=roots))
+
+
 def read_image_bytes(item: Mapping[str, Any], index: int, file_roots: Sequence[Path] | None) -> bytes:
-    """The encoded image bytes of an item given as `data` (bytes) or `url` (file:// or data:)."""
+    """The encoded image bytes of an item given as `data` (bytes) or `url` (file:// or data:), read under
+    `local_reader(file_roots)`."""
     data = item.get("data")
     url = item.get("url")
     if data is not None and url is not None:
@@ -64,12 +71,7 @@ def read_image_bytes(item: Mapping[str, Any], index: int, file_roots: Sequence[P
     if not isinstance(url, str):
         raise InvalidItemError(f"item {index}: 'url' must be a string, got {type(url).__name__}")
     try:
-        if url.startswith("data:"):
-            return decode_data_uri(url)
-        if url.startswith("file://"):
-            return read_file_url(url, file_roots)
+        return local_reader(file_roots).read_local(url)
     except InvalidItemError as exc:
         raise InvalidItemError(f"item {index}: {exc}") from None
-    scheme = url.split(":", 1)[0] if ":" in url else "(none)"
-    raise InvalidItemError(f"item {index}: unsupported URL scheme {scheme!r}; use file://, data: or 'data'")
 

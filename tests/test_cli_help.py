@@ -18,14 +18,12 @@ from encoder_server import cli
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig, port_or_off
 from encoder_server.shm import ShmConfig
-from encoder_server.sources import SourcePolicy
+from encoder_common.sources import SourcePolicy, networks, root_paths
 from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli
 from encoder_server import precompute
 from gateway import cli as gateway_cli
-from gateway import sources as gateway_sources
 from gateway.config import GatewayConfig
-from gateway.sources import root_paths
 from testkit import REPO_ROOT
 
 # command -> (module, parser builder, env prefix, arguments a valid command line needs)
@@ -100,6 +98,8 @@ def sample_value(action: argparse.Action) -> tuple[str, object]:
         return "a, b", ("a", "b")
     if action.type is root_paths:
         return "/a,/b", (Path("/a"), Path("/b"))
+    if action.type is networks:
+        return "10.1.2.3, fd00::/8", networks("10.1.2.3,fd00::/8")
     assert action.type is None, f"add a sample for {action.option_strings} (type {action.type})"
     return "from-env", "from-env"
 
@@ -112,7 +112,8 @@ def flag_text(value: object) -> str:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_reads_its_environment_variable(command, monkeypatch):
     _, build, prefix, required_args = COMMANDS[command]
-    actions = options(build())
+    # The deprecated ones set other options: tests/test_fetch_internal.py.
+    actions = [a for a in options(build()) if not a.dest.startswith("deprecated_")]
     for action in actions:
         monkeypatch.delenv(env_name(prefix, action), raising=False)
     monkeypatch.setenv("ENCODER_MODEL", "/models/base")  # the required flags, from the environment
@@ -144,13 +145,14 @@ def clear_env(monkeypatch, command: str) -> None:
 def test_the_server_flags_build_its_config_with_the_configs_own_defaults(monkeypatch):
     clear_env(monkeypatch, "encoder-server")
     assert config_from_args(ServerConfig, cli.build_parser().parse_args(["--model", "m"])) == ServerConfig(model="m")
-    flags = ["--model", "m", "--batch-wait-ms", "2", "--allow-file-root", "/srv", "--no-warmup", "--dtype", "float32"]
+    flags = ["--model", "m", "--batch-wait-ms", "2", "--file-roots", "/srv", "--no-warmup"]
+    flags += ["--dtype", "float32"]
     flags += ["--tls-cert-file", "c.pem", "--tls-key-file", "k.pem", "--shm-transfer", "--shm-max-bytes", "1024"]
     monkeypatch.setenv("ENCODER_METRICS_PORT", "9100")
     assert config_from_args(ServerConfig, cli.build_parser().parse_args(flags)) == ServerConfig(
         model="m",
         batching=BatchingConfig(max_wait_ms=2.0),
-        sources=SourcePolicy(file_root="/srv"),
+        sources=SourcePolicy(file_roots=(Path("/srv"),)),
         warmup=False,
         dtype=torch.float32,
         tls=TlsConfig(cert_file="c.pem", key_file="k.pem"),
@@ -181,7 +183,7 @@ def test_the_gateway_flags_build_its_config_with_the_configs_own_defaults(monkey
         encoders=("grpc://a:1", "grpc://b:2"),
         encode_timeout_s=5.0,
         engine_timeout_s=30.0,
-        sources=gateway_sources.SourcePolicy(file_roots=(Path("/srv"), Path("/data"))),
+        sources=SourcePolicy(file_roots=(Path("/srv"), Path("/data")), http_urls="public"),
         pass_non_image=True,
         handoff="connector",
         retry_after_s=3,
@@ -214,7 +216,7 @@ def test_console_scripts_point_at_the_commands():
     assert scripts == {
         "encoder-server": "encoder_server.cli:main",
         "encoder-client": "receiver.cli:main",
-        "encoder-precompute": "encoder_server.precompute:main",
+        "encoder-precompute": "encoder_server.precompute_cli:main",
         "encoder-gateway": "gateway.cli:main",
     }
     for command, (module, build, _, _) in COMMANDS.items():

@@ -14,15 +14,13 @@ import pytest
 import torch
 from aiohttp import web
 
-from encoder_common.errors import InvalidItemError
-from encoder_common.http_fetch import fetch_http
+from encoder_common.sources import SourcePolicy
 from encoder_server.batcher import BatchingConfig
 from encoder_server.models import load_vision_encoder
 from gateway.app import start
 from gateway.cli import build_parser, config_from_args
 from gateway.config import GatewayConfig
 from gateway.protocol import image_parts, replace_parts
-from gateway.sources import SourcePolicy
 from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit import REPO_ROOT
@@ -221,26 +219,10 @@ async def test_url_pointing_at_loopback_is_refused(encoder):
     assert message.startswith("message 0 part 0: fetching") and "loopback" in message, message
 
 
-async def test_fetch_refuses_redirects_and_allows_internal_only_when_told():
-    png = image_bytes(32, 32)
-    async with image_site(png) as site:
-        with pytest.raises(InvalidItemError, match="loopback"):
-            await asyncio.to_thread(
-                fetch_http, f"{site}/image.png", max_bytes=1 << 20, timeout_s=5, allow_internal=False
-            )
-        assert await asyncio.to_thread(fetch_http, f"{site}/image.png", max_bytes=1 << 20, timeout_s=5) == png
-        with pytest.raises(InvalidItemError, match="redirect"):
-            await asyncio.to_thread(
-                fetch_http, f"{site}/redirect", max_bytes=1 << 20, timeout_s=5, follow_redirects=False
-            )
-        with pytest.raises(InvalidItemError, match="over the limit"):
-            await asyncio.to_thread(fetch_http, f"{site}/image.png", max_bytes=100, timeout_s=5)
-
-
 async def test_allowed_internal_url_reaches_the_engine(encoder):
-    """--allow-internal-urls: the loopback image is fetched and encoded; the request gets as far as the engine."""
+    """--http-urls any: the loopback image is fetched and encoded; the request gets as far as the engine."""
     async with image_site(image_bytes(64, 64)) as site:
-        async with gateway([encoder], sources=SourcePolicy(allow_internal_urls=True)) as url:
+        async with gateway([encoder], sources=SourcePolicy(http_urls="any")) as url:
             body = chat_request("m", [{"type": "image_url", "image_url": {"url": f"{site}/image.png"}}])
             status, _, reply = await post(url, body)
     assert status == 502 and "engine" in reply["error"]["message"], reply
@@ -285,7 +267,7 @@ def test_config_from_the_environment(monkeypatch, tmp_path):
     config = config_from_args(build_parser().parse_args([]))
     assert config.engine_url == "http://engine:8000"
     assert config.encoders == ("grpc://a:1", "grpc://b:2")
-    assert config.sources.allow_internal_urls and config.auth_token == "secret"
+    assert config.sources.http_urls == "any" and config.auth_token == "secret"
 
 
 async def test_mtls_and_token_flags_reach_the_encoders(default_model_dir, pki, token_file, tmp_path):

@@ -21,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
+from encoder_common.sources import SourcePolicy
 from protos import encoder_pb2 as pb
 from receiver import EncodeFailedError, EncoderReceiver, InvalidItemError, UnsupportedModalityError
 from testkit import REPO_ROOT
@@ -41,14 +42,12 @@ def allowed_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 async def server(default_model_dir, allowed_dir):
     """Small limits so every limit is cheap to cross; file:// enabled below `allowed_dir`."""
-    from encoder_server.sources import SourcePolicy
-
     async with running_server(
         default_model_dir,
         max_image_pixels=MAX_PIXELS,
         max_items_per_request=MAX_ITEMS,
         max_request_bytes=MAX_REQUEST_BYTES,
-        sources=SourcePolicy(file_root=str(allowed_dir), max_fetch_bytes=FETCH_LIMIT),
+        sources=SourcePolicy(file_roots=(allowed_dir,), max_fetch_bytes=FETCH_LIMIT),
     ) as s:
         yield s
 
@@ -319,15 +318,15 @@ async def test_http_urls_are_off_by_default_and_bounded_when_enabled(default_mod
     await expect_invalid(channel, [item(url=f"{http_origin}/ok.png")], "item 0:", "http:// URLs are disabled")
     await expect_invalid(channel, [item(url="https://example.com/a.png")], "https:// URLs are disabled")
 
-    from encoder_server.sources import SourcePolicy
-
-    # Enabled, http(s) still cannot reach this loopback origin until private hosts are allowed too.
-    async with running_server(default_model_dir, sources=SourcePolicy(allow_http=True)) as public_only:
+    # Public only, http(s) still cannot reach this loopback origin (tests/test_fetch_internal.py counts
+    # that no connection is made).
+    async with running_server(default_model_dir, sources=SourcePolicy(http_urls="public")) as public_only:
         async with grpc.aio.insecure_channel(public_only.url.removeprefix("grpc://")) as ch:
-            await expect_invalid(ch, [item(url=f"{http_origin}/ok.png")], "it resolves to 127.0.0.1, a loopback")
+            await expect_invalid(ch, [item(url=f"{http_origin}/ok.png")], "127.0.0.1 is a loopback address")
             by_name = http_origin.replace("127.0.0.1", "localhost")
-            await expect_invalid(ch, [item(url=f"{by_name}/ok.png")], "a loopback, private or link-local address")
-    policy = SourcePolicy(allow_http=True, allow_private_hosts=True, max_fetch_bytes=FETCH_LIMIT, fetch_timeout_s=0.5)
+            refused = ("localhost resolves to", "a loopback address")
+            await expect_invalid(ch, [item(url=f"{by_name}/ok.png")], *refused)
+    policy = SourcePolicy(http_urls="any", max_fetch_bytes=FETCH_LIMIT, fetch_timeout_s=0.5)
     async with running_server(default_model_dir, sources=policy) as fetching:
         async with grpc.aio.insecure_channel(fetching.url.removeprefix("grpc://")) as ch:
             reply = await call_encode(ch, pb.EncodeRequest(request_id="ok", items=[item(url=f"{http_origin}/ok.png")]))
@@ -337,7 +336,7 @@ async def test_http_urls_are_off_by_default_and_bounded_when_enabled(default_mod
             # The origin holds the body until released below: only the 0.5 s fetch timeout ends this.
             await expect_invalid(ch, [item(url=f"{http_origin}/slow.png")], "took over 0.5 s")
             _Handler.slow_release.set()
-            await expect_invalid(ch, [item(url=f"{http_origin}/to-file")], "failed: HTTP 302")
+            await expect_invalid(ch, [item(url=f"{http_origin}/to-file")], "redirected to a file: URL")
             await expect_invalid(ch, [item(url=f"{http_origin}/missing.png")], "failed: HTTP 404")
 
 

@@ -26,7 +26,7 @@ from encoder_server.batcher import BatchingConfig
 from encoder_server.images import decode_image
 from encoder_server.models import load_vision_encoder
 from encoder_server.sglang.embedding_data import SGLANG_VERSION
-from encoder_server.sources import SourcePolicy
+from encoder_common.sources import SourcePolicy
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb
@@ -101,7 +101,7 @@ async def sglang_run(default_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang")
     images = [image_bytes(w, h, seed=i, fmt="JPEG" if i % 3 == 1 else "PNG") for i, (w, h) in enumerate(SIZES)]
     items = sglang_items(images, tmp)
-    files = SourcePolicy(file_root=str(tmp))
+    files = SourcePolicy(file_roots=(tmp,))
     log_lines = LogLines(logging.INFO)
     metrics_log = logging.getLogger("encoder_server.metrics")
     metrics_log.addHandler(log_lines)

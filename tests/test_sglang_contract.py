@@ -25,7 +25,7 @@ from encoder_server.models import load_vision_encoder
 from encoder_server.sglang.config import SglangConfig
 from encoder_server.sglang.items import read_item, sniff_non_image
 from encoder_server.sglang.servicer import SEND_UNIMPLEMENTED, SERVICE_NAME, ReceiveUrls
-from encoder_server.sources import SourcePolicy
+from encoder_common.sources import SourcePolicy, SourceReader
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb
@@ -38,7 +38,7 @@ from testkit.servers import running_server
 @pytest.fixture(scope="module")
 async def server(default_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang-files")
-    async with running_server(default_model_dir, sources=SourcePolicy(file_root=str(root))) as server:
+    async with running_server(default_model_dir, sources=SourcePolicy(file_roots=(root,))) as server:
         server.file_root = root  # type: ignore[attr-defined]
         yield server
 
@@ -251,37 +251,41 @@ async def test_receive_urls_registered_before_or_after_the_encode_that_waits_for
         await urls.wait("nobody", 0.05)
 
 
-def test_item_strings_as_sglang_takes_them_under_the_source_policy(tmp_path):
+async def read(item: str, policy: SourcePolicy) -> bytes:
+    return await read_item(item, SourceReader(policy))
+
+
+async def test_item_strings_as_sglang_takes_them_under_the_source_policy(tmp_path):
     png = image_bytes(10, 10)
     jpeg = image_bytes(10, 10, fmt="JPEG")
     (tmp_path / "a.png").write_bytes(png)
-    files = SourcePolicy(file_root=str(tmp_path))
-    assert read_item(data_uri(png), SourcePolicy()) == png
-    assert read_item(base64.b64encode(jpeg).decode(), SourcePolicy()) == jpeg  # starts with "/9j/"
-    assert read_item(str(tmp_path / "a.png"), files) == png
-    assert read_item((tmp_path / "a.png").as_uri(), files) == png
-    web = SourcePolicy(allow_http=True)
-    # Listening sockets that never answer: the refusal comes once connected, from the peer's address.
+    files = SourcePolicy(file_roots=(tmp_path,))
+    assert await read(data_uri(png), SourcePolicy()) == png
+    assert await read(base64.b64encode(jpeg).decode(), SourcePolicy()) == jpeg  # starts with "/9j/"
+    assert await read(str(tmp_path / "a.png"), files) == png
+    assert await read((tmp_path / "a.png").as_uri(), files) == png
+    web = SourcePolicy(http_urls="public")
+    # Listening sockets that never answer: the refusal comes before any connection, from the address.
     with socket.create_server(("127.0.0.1", 0)) as v4, socket.create_server(("::1", 0), family=socket.AF_INET6) as v6:
         refusals = [
             (str(tmp_path / "a.png"), SourcePolicy(), "file:// URLs are disabled"),
             ("/etc/passwd.png", files, "outside the allowed directories"),
             ("a.png", files, "neither a URL, a data: URI, an absolute path nor base64"),
             ("http://127.0.0.1:9/a.png", SourcePolicy(), "http:// URLs are disabled"),
-            (f"http://127.0.0.1:{v4.getsockname()[1]}/a.png", web, "it resolves to 127.0.0.1, a loopback"),
-            (f"http://[::1]:{v6.getsockname()[1]}/a.png", web, "it resolves to ::1, a loopback"),
+            (f"http://127.0.0.1:{v4.getsockname()[1]}/a.png", web, "127.0.0.1 is a loopback address"),
+            (f"http://[::1]:{v6.getsockname()[1]}/a.png", web, "::1 is a loopback address"),
         ]
         for item, policy, message in refusals:
             with pytest.raises(InvalidItemError, match=re.escape(message)):
-                read_item(item, policy)
+                await read(item, policy)
 
 
-def test_video_and_audio_items_are_refused_as_such():
+async def test_video_and_audio_items_are_refused_as_such():
     mp4_head = b"\x00\x00\x00\x1cftypisom\x00\x00\x02\x00isomiso2mp41"
     with pytest.raises(UnsupportedModalityError, match=r"got: \['video'\]"):
-        read_item("data:video/mp4;base64,AAAA", SourcePolicy())
+        await read("data:video/mp4;base64,AAAA", SourcePolicy())
     with pytest.raises(UnsupportedModalityError, match=r"got: \['video'\]"):
-        read_item(base64.b64encode(mp4_head).decode(), SourcePolicy())
+        await read(base64.b64encode(mp4_head).decode(), SourcePolicy())
     assert sniff_non_image(b"RIFF\0\0\0\0WAVEfmt ") == "audio"
     assert sniff_non_image(b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00") is None  # an AVIF image
     assert sniff_non_image(image_bytes(8, 8)) is None

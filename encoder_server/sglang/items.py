@@ -2,21 +2,20 @@
 
 SGLang's own encoder (`load_image` in sglang.srt.utils.common) takes an item string as an
 http(s):// URL, a file:// URL, a path (absolute, or any string ending in an image extension), a
-data: URI, or else raw base64. The same forms are accepted here, but URLs and paths go through
-encoder_server.sources: http(s) only where enabled, files only under the allowed root, and only
-absolute paths.
+data: URI, or else raw base64. The same forms are accepted here, but URLs and paths go through the
+server's SourceReader (encoder_common.sources): http(s) only where enabled, files only under the allowed
+roots, and only absolute paths.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import pathlib
 
 from encoder_common.errors import InvalidItemError, UnsupportedModalityError
-from protos import encoder_pb2 as pb
-
-from ..sources import SourcePolicy, item_bytes
+from encoder_common.sources import SourceReader
 
 # SGLang's `image_extension_names`: a string ending so is a path, not base64.
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif")
@@ -24,7 +23,7 @@ _URL_SCHEMES = ("http://", "https://", "file://", "data:")
 _SHOWN = 64
 
 
-def read_item(item: str, policy: SourcePolicy) -> bytes:
+async def read_item(item: str, sources: SourceReader) -> bytes:
     """The encoded bytes an SGLang item string names; InvalidItemError when it cannot be read,
     UnsupportedModalityError when it is a video or audio file."""
     lowered = item[:16].lower()
@@ -33,18 +32,23 @@ def read_item(item: str, policy: SourcePolicy) -> bytes:
         if media_type.startswith(("video/", "audio/")):
             raise UnsupportedModalityError([media_type.split("/", 1)[0]])
     if lowered.startswith(_URL_SCHEMES):
-        data = item_bytes(pb.ImageItem(url=item), policy)
-    elif (data := _base64(item)) is None or item.lower().endswith(IMAGE_EXTENSIONS):
-        path = pathlib.PurePosixPath(item)
-        if not path.is_absolute():
-            raise InvalidItemError(
-                f"{_shown(item)!r} is neither a URL, a data: URI, an absolute path nor base64"
-            )
-        data = item_bytes(pb.ImageItem(url=pathlib.Path(path).as_uri()), policy)
+        data = await sources.read(item)
+    else:
+        data = await asyncio.to_thread(_base64_or_path, item, sources)
     modality = sniff_non_image(data)
     if modality is not None:
         raise UnsupportedModalityError([modality])
     return data
+
+
+def _base64_or_path(item: str, sources: SourceReader) -> bytes:
+    """The bytes of raw base64, or of the file an absolute path names."""
+    if (data := _base64(item)) is not None and not item.lower().endswith(IMAGE_EXTENSIONS):
+        return data
+    path = pathlib.PurePosixPath(item)
+    if not path.is_absolute():
+        raise InvalidItemError(f"{_shown(item)!r} is neither a URL, a data: URI, an absolute path nor base64")
+    return sources.read_local(pathlib.Path(path).as_uri())
 
 
 def _base64(item: str) -> bytes | None:

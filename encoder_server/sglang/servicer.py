@@ -229,10 +229,8 @@ class SglangEncoderServicer:
     async def _encode_part(self, request: sglang_pb.EncodeRequest, charge: StreamCharge) -> _Part:
         """Reads, admits and encodes a part's items (through the cache and batcher), then joins them."""
         pipeline = self.pipeline
-        loop = asyncio.get_running_loop()
         pipeline.check_room(len(request.mm_items))  # before any decoding: refusals under overload stay fast
-        policy = self.server_config.sources
-        reads = [loop.run_in_executor(pipeline.preprocess_pool, read_item, item, policy) for item in request.mm_items]
+        reads = [asyncio.ensure_future(read_item(item, pipeline.sources)) for item in request.mm_items]
         try:
             datas = await asyncio.gather(*reads)
         except UnsupportedModalityError:
@@ -240,6 +238,9 @@ class SglangEncoderServicer:
         except InvalidItemError as exc:
             failed = next(i for i, r in enumerate(reads) if r.done() and r.exception() is exc)
             raise InvalidItemError(f"item {failed}: {exc}") from None
+        finally:
+            for read in reads:
+                read.cancel()  # the other items' reads, when one failed
         items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=data) for i, data in enumerate(datas)]
         async with contextlib.aclosing(pipeline.payloads(items, charge)) as payloads:
             return _join(request, [payload async for _, payload, _, _ in payloads])
