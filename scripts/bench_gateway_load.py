@@ -1,7 +1,8 @@
 """Concurrent chat requests of 1-3 images of mixed sizes, driven by vLLM's own serving benchmark (`vllm bench
 serve`, random-mm dataset), against vLLM alone and through encoder-gateway (inline and connector hand-off),
 from one run: throughput, TTFT and end-to-end latency percentiles per path, every request's success, and
-its greedy text compared with vLLM alone's.
+its greedy token ids compared with vLLM alone's (the same requests sent again after the benchmark, since
+`vllm bench serve` keeps only texts).
 
 One vLLM (CPU build, .venv-engines) serves all three paths: it runs as `ec_consumer` with
 `receiver.vllm_connector`, answers raw images with its own tower (the "vLLM alone" path) and takes the
@@ -66,6 +67,10 @@ def bench_args(args, model_dir: Path, result_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def seed(round_index: int) -> int:
+    return 1000 + round_index
+
+
 def plan_runs(rounds: int, urls: dict[str, str]) -> list[dict]:
     """Every path once per round, the order rotated each round; a round's seed is the same for its paths."""
     runs = []
@@ -74,16 +79,17 @@ def plan_runs(rounds: int, urls: dict[str, str]) -> list[dict]:
         for path in PATHS[shift:] + PATHS[:shift]:
             runs.append(
                 {"base_url": urls[path], "result_filename": f"{path}-{round_index}.json",
-                 "args": ["--seed", str(1000 + round_index)]}
+                 "args": ["--seed", str(seed(round_index))]}
             )  # fmt: skip
     return runs
 
 
 def summarize(rounds: int, result_dir: Path) -> dict[str, dict]:
-    """Per path: medians over rounds of each figure, failures, and texts equal to vLLM alone's."""
+    """Per path: medians over rounds of each figure, failures, and texts and token ids equal to vLLM alone's."""
     results = {
         (path, r): json.loads((result_dir / f"{path}-{r}.json").read_text()) for path in PATHS for r in range(rounds)
     }
+    token_ids = json.loads((result_dir / "token-ids.json").read_text())
     summary = {}
     for path in PATHS:
         runs = [results[path, r] for r in range(rounds)]
@@ -99,6 +105,10 @@ def summarize(rounds: int, result_dir: Path) -> dict[str, dict]:
             for r in range(rounds)
             for ours, theirs in zip(results[path, r]["generated_texts"], results["vllm", r]["generated_texts"])
         )
+        checked = [(ours, theirs) for r in range(rounds) for ours, theirs in
+                   zip(token_ids[str(seed(r))][path], token_ids[str(seed(r))]["vllm"])]  # fmt: skip
+        row["token_check_failed"] = sum(isinstance(ours, str) for ours, _ in checked)
+        row["same_token_ids_as_vllm"] = sum(ours == theirs and isinstance(ours, list) for ours, theirs in checked)
         summary[path] = row
     return summary
 
@@ -111,15 +121,16 @@ def print_summary(summary: dict[str, dict], args) -> None:
         "medians over rounds:"
     )
     head = ["path", "req/s", "ratio"] + [f"TTFT p{q} ms" for q in PERCENTILES] + [f"E2E p{q} ms" for q in PERCENTILES]
-    print("| " + " | ".join(head + ["failed", "same text as vLLM alone"]) + " |")
-    print("|" + " --- |" * (len(head) + 2))
+    print("| " + " | ".join(head + ["failed", "same text", "same token ids"]) + " |")
+    print("|" + " --- |" * (len(head) + 3))
     for path in PATHS:
         row = summary[path]
         cells = [LABELS[path], f"{row['request_throughput']:.2f}",
                  f"{row['request_throughput'] / base['request_throughput']:.2f}x"]
         cells += [f"{row[f'p{q}_ttft_ms']:.0f}" for q in PERCENTILES]
         cells += [f"{row[f'p{q}_e2el_ms']:.0f}" for q in PERCENTILES]
-        cells += [str(row["failed"]), f"{row['same_text_as_vllm']} / {row['requests']}"]
+        cells += [str(row["failed"] + row["token_check_failed"]), f"{row['same_text_as_vllm']} / {row['requests']}",
+                  f"{row['same_token_ids_as_vllm']} / {row['requests']}"]  # fmt: skip
         print("| " + " | ".join(cells) + " |")  # fmt: skip
 
 
@@ -150,7 +161,12 @@ async def bench(args) -> int:
                 urls[handoff] = f"http://127.0.0.1:{port}"
             plan_path = work / "plan.json"
             plan_path.write_text(
-                json.dumps({"args": bench_args(args, model_dir, result_dir), "runs": plan_runs(args.rounds, urls)})
+                json.dumps({
+                    "args": bench_args(args, model_dir, result_dir),
+                    "runs": plan_runs(args.rounds, urls),
+                    "token_check": {"urls": urls, "seeds": [seed(r) for r in range(args.rounds)],
+                                    "result": str(result_dir / "token-ids.json")},
+                })  # fmt: skip
             )
             process = await asyncio.create_subprocess_exec(
                 str(ENGINES_PYTHON), str(REPO_ROOT / "testkit" / "vllm_bench.py"), str(plan_path), env=engines_env()
@@ -165,7 +181,10 @@ async def bench(args) -> int:
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary, args)
     print(f"\nresult files: {result_dir}")
-    clean = all(row["failed"] == 0 and row["same_text_as_vllm"] == row["requests"] for row in summary.values())
+    clean = all(
+        row["failed"] == row["token_check_failed"] == 0 and row["same_token_ids_as_vllm"] == row["requests"]
+        for row in summary.values()
+    )
     return 0 if clean else 1
 
 

