@@ -15,6 +15,7 @@ from aiohttp import web
 
 from encoder_common.sources import SourceReader
 from receiver import EncoderError, EncoderReceiver
+from receiver.vllm_releases import SUPPORTED_VLLM, in_supported_range
 
 from .config import GatewayConfig
 from .handoff import Handoff, check_family, handoff_for
@@ -153,6 +154,27 @@ async def _check_encoders(receiver: EncoderReceiver, handoff: str) -> None:
     )
 
 
+async def _check_engine_release(session: aiohttp.ClientSession, engine_url: str) -> None:
+    """Refuses (ValueError) a vLLM whose `/version` is outside `SUPPORTED_VLLM`, the releases whose
+    `image_embeds` part these formats were read in; an engine that does not answer it yet, or is not vLLM
+    (no `/version`), is not fatal: engines and gateways start in any order."""
+    try:
+        async with session.get(f"{engine_url}/version", timeout=aiohttp.ClientTimeout(total=5)) as reply:
+            version = (await reply.json(content_type=None)).get("version") if reply.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
+        log.warning("engine release not checked at start-up (%s): %s", engine_url, exc)
+        return
+    if version is None:
+        log.warning("engine release not checked at start-up: %s/version gave no vLLM version", engine_url)
+    elif not in_supported_range(str(version)):
+        raise ValueError(
+            f"the engine at {engine_url} is vLLM {version}, outside the releases this gateway's image_embeds "
+            f"part and hand-offs are written for ({SUPPORTED_VLLM}); run a vLLM in that range"
+        )
+    else:
+        log.info("engine: vLLM %s (supported: %s)", version, SUPPORTED_VLLM)
+
+
 def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.Application:
     """The gateway application; the receiver and the engine client open on start-up, close on clean-up."""
     app = web.Application(client_max_size=256 << 20)  # requests may carry images and embeddings inline
@@ -171,6 +193,7 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
         )
         try:
             await _check_encoders(receiver, config.handoff)
+            await _check_engine_release(session, config.engine_url)
             app[SERVICE] = ChatCompletionsService(
                 receiver=receiver,
                 handoff=handoff or handoff_for(config.handoff, lease_ttl_s=config.lease_ttl_s),

@@ -1,10 +1,12 @@
 """How encoded items reach vLLM: the embedding tensor its model takes, the chat content part its OpenAI
 server accepts (`--enable-mm-embeds`), and the `multi_modal_data` its `LLM.generate` accepts.
 
-Formats read from vLLM 0.32: a chat part `{"type": "image_embeds", "image_embeds": {"image_embeds":
-base64(torch.save(tensor)), "image_grid_thw": [t, h, w]}}` (the grid a flat list; the tensor loaded with
-`torch.load(weights_only=True)`); Qwen3-VL's `image_embeds` is the main embedding with its deepstack levels
-concatenated after it along the hidden dimension (`[tokens, hidden * (1 + levels)]`).
+Formats read from vLLM 0.31 to 0.33 (`receiver.vllm_releases.SUPPORTED_VLLM`; gateway/app.py refuses to
+start in front of a vLLM that reports another release): a chat part `{"type": "image_embeds",
+"image_embeds": {"image_embeds": base64(torch.save(tensor)), "image_grid_thw": [t, h, w]}}` (the grid a
+flat list; the tensor loaded with `torch.load(weights_only=True)`); Qwen3-VL's `image_embeds` is the main
+embedding with its deepstack levels concatenated after it along the hidden dimension
+(`[tokens, hidden * (1 + levels)]`).
 """
 
 from __future__ import annotations

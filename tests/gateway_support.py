@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 from collections.abc import Iterator
@@ -12,11 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+# The request helpers live in testkit (benchmarks use them too); the gateway tests import them from here.
+from testkit.chat import MAX_TOKENS, TOP_LOGPROBS, chat_request, data_url, image_part  # noqa: F401
 from testkit.images import image_bytes
 from testkit.vllm_server import ENGINES_PYTHON, VllmServer, launch_vllm
-
-MAX_TOKENS = 8
-TOP_LOGPROBS = 5
 
 
 @contextlib.contextmanager
@@ -28,36 +26,8 @@ def engine_server(model_dir: Path, log_dir: Path) -> Iterator[VllmServer]:
         yield server
 
 
-def data_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
-def image_part(png: bytes) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": data_url(png)}}
-
-
 def images(sizes: list[tuple[int, int]], seed: int = 0) -> list[bytes]:
     return [image_bytes(w, h, seed=seed + i) for i, (w, h) in enumerate(sizes)]
-
-
-def chat_request(
-    model: str, parts: list[dict[str, Any]], *, stream: bool = False, max_tokens: int = MAX_TOKENS
-) -> dict[str, Any]:
-    """A greedy request that returns each token's id and top logprobs."""
-    body = {
-        "model": model,
-        "messages": [
-            {"role": "user", "content": [*parts, {"type": "text", "text": "What is in the pictures?"}]}
-        ],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "logprobs": True,
-        "top_logprobs": TOP_LOGPROBS,
-        "return_tokens_as_token_ids": True,  # tokens come back as "token_id:<id>"
-    }
-    if stream:
-        body["stream"] = True
-    return body
 
 
 def _token_id(token: str) -> int:

@@ -3,23 +3,81 @@
 Written opcode by opcode, without importing SGLang: the pickle names SGLang's classes by module
 and name (all on the allowlist of SGLang's `safe_pickle_loads`) and carries the object's state as
 a plain dict, exactly the attributes SGLang's encoder server sends for a part of a Qwen-VL request.
+Those module paths and attributes moved between SGLang releases: `LAYOUTS` says which release
+expects which, read in each release's wheel and checked against each release's own unpickler
+(`scripts/check_sglang_releases.py`).
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-# The SGLang release whose receiver this format is written for; tests/test_sglang.py unpickles it
+
+@dataclass(frozen=True)
+class EmbeddingDataLayout:
+    """How the SGLang releases `first` to `last` (inclusive) name and fill `EmbeddingData`."""
+
+    first: str
+    last: str
+    embedding_data: tuple[str, str]  # (module, class) of EmbeddingData, as its receiver unpickles it
+    modality: tuple[str, str]  # (module, class) of the Modality enum, as that release's allowlist admits it
+    attributes: tuple[str, ...]  # what EmbeddingData.__init__ sets, in its order
+
+    def covers(self, version: str) -> bool:
+        return _release(self.first) <= _release(version) <= _release(self.last)
+
+
+_COMMON_HEAD = ("req_id", "num_parts", "part_idx", "grid_dim", "modality", "embedding", "send_time", "dtype")
+_COMMON_TAIL = ("error_msg", "error_code", "shape")
+
+# Releases with safe_pickle_loads (0.5.13 on; older receivers used plain pickle.loads), newest first.
+LAYOUTS = (
+    EmbeddingDataLayout(
+        "0.5.23", "0.5.23",
+        ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"),
+        ("sglang.srt.multimodal.modality", "Modality"),  # moved here in 0.5.23; schedule_batch re-exports it
+        (*_COMMON_HEAD, "_mr_ptr", *_COMMON_TAIL),
+    ),
+    EmbeddingDataLayout(
+        "0.5.19", "0.5.22",
+        ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"),  # the encoder/ package from 0.5.19
+        ("sglang.srt.managers.schedule_batch", "Modality"),
+        (*_COMMON_HEAD, "_mr_ptr", *_COMMON_TAIL),
+    ),
+    EmbeddingDataLayout(
+        "0.5.13", "0.5.18",
+        ("sglang.srt.disaggregation.encode_receiver", "EmbeddingData"),
+        ("sglang.srt.managers.schedule_batch", "Modality"),
+        (*_COMMON_HEAD, "cached_embedding", *_COMMON_TAIL),
+    ),
+)  # fmt: skip
+
+# The SGLang release whose receiver the SGLang service writes for; tests/test_sglang.py unpickles it
 # with that release's own code.
 SGLANG_VERSION = "0.5.23"
 
-EMBEDDING_DATA_CLASS = ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData")
-MODALITY_CLASS = ("sglang.srt.multimodal.modality", "Modality")
-MODALITY_IMAGE = 1  # Modality.IMAGE = auto()
+
+def layout_for(version: str) -> EmbeddingDataLayout:
+    """The layout SGLang `version` unpickles; ValueError naming the releases known when there is none."""
+    for layout in LAYOUTS:
+        if _release(version) is not None and layout.covers(version):
+            return layout
+    raise ValueError(
+        f"no EmbeddingData layout for SGLang {version}: known are {LAYOUTS[-1].first} to {LAYOUTS[0].last}"
+    )
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    return None if match is None else tuple(int(part) for part in match.groups())
+
+
+MODALITY_IMAGE = 1  # Modality.IMAGE = auto(), in every release of LAYOUTS
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -42,31 +100,29 @@ class PartMeta:
     error_code: int | None = None
 
 
-def embedding_data_pickle(meta: PartMeta) -> bytes:
+def embedding_data_pickle(meta: PartMeta, layout: EmbeddingDataLayout = layout_for(SGLANG_VERSION)) -> bytes:
     """Pickle bytes that SGLang's `safe_pickle_loads` turns into its `EmbeddingData` for `meta`.
 
-    The attributes are those of `EmbeddingData.copy_without_embedding()` on SGLang's encoder, in
-    the same order: for an embedding, with Qwen-VL's video metadata (None for images); for an
+    The attributes are those of `EmbeddingData.copy_without_embedding()` on SGLang's encoder of the
+    layout's releases: for an embedding, with Qwen-VL's video metadata (None for images); for an
     error, as its `_stage_errors` builds it.
     """
-    state: list[tuple[str, object]] = [
-        ("req_id", meta.req_id),
-        ("num_parts", meta.num_parts),
-        ("part_idx", meta.part_idx),
-        ("grid_dim", None if meta.grid_thw is None else [[int(v) for v in grid] for grid in meta.grid_thw]),
-        ("modality", _Modality(MODALITY_IMAGE)),
-        ("embedding", None),
-        ("send_time", None),
-        ("dtype", None if meta.dtype is None else _TorchDtype(meta.dtype)),
-        ("shape", None if meta.shape is None else [int(v) for v in meta.shape]),
-        ("_mr_ptr", None),
-        ("error_msg", meta.error_msg),
-        ("error_code", None if meta.error_code is None else int(meta.error_code)),
-    ]
+    values = {
+        "req_id": meta.req_id,
+        "num_parts": meta.num_parts,
+        "part_idx": meta.part_idx,
+        "grid_dim": None if meta.grid_thw is None else [[int(v) for v in grid] for grid in meta.grid_thw],
+        "modality": _Modality(MODALITY_IMAGE, layout.modality),
+        "dtype": None if meta.dtype is None else _TorchDtype(meta.dtype),
+        "shape": None if meta.shape is None else [int(v) for v in meta.shape],
+        "error_msg": meta.error_msg,
+        "error_code": None if meta.error_code is None else int(meta.error_code),
+    }  # the rest (embedding, send_time, _mr_ptr or cached_embedding) are None on the wire
+    state: list[tuple[str, object]] = [(name, values.get(name)) for name in layout.attributes]
     if meta.error_msg is None:  # SGLang's encoder adds Qwen-VL's video metadata to embeddings only
         state += [("video_timestamps", None), ("second_per_grid_ts", None)]
     out = bytearray(b"\x80\x02")  # PROTO 2
-    out += _global(*EMBEDDING_DATA_CLASS) + b")\x81"  # cls.__new__(cls): EMPTY_TUPLE, NEWOBJ
+    out += _global(*layout.embedding_data) + b")\x81"  # cls.__new__(cls): EMPTY_TUPLE, NEWOBJ
     out += b"}("  # EMPTY_DICT, MARK
     for key, value in state:
         _write(out, key)
@@ -78,6 +134,7 @@ def embedding_data_pickle(meta: PartMeta) -> bytes:
 @dataclass(frozen=True)
 class _Modality:
     value: int
+    where: tuple[str, str]  # (module, class) of the enum
 
 
 @dataclass(frozen=True)
@@ -111,7 +168,7 @@ def _write(out: bytearray, value: object) -> None:
                 _write(out, element)
             out += b"e"  # APPENDS
     elif isinstance(value, _Modality):  # an Enum member pickles as Modality(value)
-        out += _global(*MODALITY_CLASS)
+        out += _global(*value.where)
         _write(out, value.value)
         out += b"\x85R"  # TUPLE1, REDUCE
     elif isinstance(value, _TorchDtype):  # a torch.dtype pickles as the module global torch.<name>

@@ -1,0 +1,35 @@
+"""The vLLM releases this project's vLLM-facing interfaces are written against, declared once: the
+encoder-cache connector (receiver/vllm_connector.py) and the gateway's `image_embeds` part
+(gateway/handoff.py).
+
+Imports nothing from vLLM, so the gateway can use it too. The range was read in the wheels: the connector's
+base class, the scheduler calls it answers and the `image_embeds` part are the same in 0.31.0, 0.32.0 and
+0.33.0 (docs/vllm-connector.md, "Releases"). Inside the range the connector also checks, as vLLM starts it,
+that the installed vLLM has every method and type it uses (`receiver.vllm_connector.check_vllm_contract`).
+"""
+
+from __future__ import annotations
+
+import re
+
+# Lowest release read and tested, and the first release not yet read: [0.31, 0.34).
+SUPPORTED_VLLM_FROM = (0, 31)
+SUPPORTED_VLLM_BELOW = (0, 34)
+SUPPORTED_VLLM = ">={}.{},<{}.{}".format(*SUPPORTED_VLLM_FROM, *SUPPORTED_VLLM_BELOW)
+
+_RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def release(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string as vLLM reports it ("0.32.0", "0.33.1+cpu", "0.34.0rc1");
+    None when it does not start with one."""
+    match = _RELEASE.match(version.strip())
+    if match is None:
+        return None
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def in_supported_range(version: str) -> bool:
+    parsed = release(version)
+    return parsed is not None and SUPPORTED_VLLM_FROM <= parsed[:2] < SUPPORTED_VLLM_BELOW
