@@ -5,6 +5,7 @@ this machine's CPU: alone with its own vision tower, or as a language-only prefi
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -37,8 +38,6 @@ class SglangServer:
 
 def sglang_env(**extra: str) -> dict[str, str]:
     """SGLang's environment: no hub, all of its ZMQ traffic on loopback."""
-    import os
-
     return {**os.environ, "HF_HUB_OFFLINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1", **extra}
 
 
@@ -49,9 +48,12 @@ def language_only_args(encoder_urls: Sequence[str]) -> tuple[list[str], dict[str
     SGLang 0.5.23 probes each encoder's health with an HTTP GET on the grpc:// URL, which always fails
     and evicts every gRPC encoder within ~30 s: the probe is turned off. Its default transfer
     backend (zmq_to_scheduler) passes an argument MMReceiverGrpc.encode() does not take: the
-    tokenizer backend is named.
+    tokenizer backend is named. Its encoder bootstrap server gets a free port instead of its fixed default.
     """
-    args = ["--language-only", "--encoder-urls", *encoder_urls, "--encoder-transfer-backend", "zmq_to_tokenizer"]
+    args = [
+        "--language-only", "--encoder-urls", *encoder_urls, "--encoder-transfer-backend", "zmq_to_tokenizer",
+        "--encoder-bootstrap-port", str(free_port()),
+    ]  # fmt: skip
     env = {"SGLANG_ENCODER_MM_RECEIVER_MODE": "grpc", "SGLANG_ENCODER_BOOTSTRAP_HEALTH_CHECK_INTERVAL": "0"}
     return args, env
 
