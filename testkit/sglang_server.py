@@ -38,7 +38,8 @@ class SglangServer:
 
 def sglang_env(**extra: str) -> dict[str, str]:
     """SGLang's environment: no hub, all of its ZMQ traffic on loopback."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1", **extra}
+    loopback = {"HF_HUB_OFFLINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, **loopback, **extra}
 
 
 def language_only_args(encoder_urls: Sequence[str]) -> tuple[list[str], dict[str, str]]:

@@ -13,6 +13,7 @@ import contextlib
 
 import aiohttp
 import pytest
+import torch
 
 from testkit.servers import running_server
 from testkit.sglang_server import SGLANG_PYTHON, launch_sglang, language_only_args
@@ -28,6 +29,8 @@ SIZES = {
     2: [(112, 112), (308, 196)],
     5: [(56, 56), (140, 112), (224, 224), (84, 168), (196, 140)],
 }
+CHAT_COUNT = 2  # images of the chat request (others than /generate's: no cache answers for them)
+CHAT_SEED = 100
 
 
 def generate_request(count: int) -> dict:
@@ -62,10 +65,42 @@ async def generate(session: aiohttp.ClientSession, url: str, body: dict) -> dict
     return {"prompt_tokens": meta["prompt_tokens"], "steps": steps}
 
 
+def chat_request(model: str, count: int) -> dict:
+    """The same greedy question over SGLang's OpenAI chat API (its chat template, its own request path)."""
+    pngs = images(SIZES[count], seed=CHAT_SEED)
+    content = [{"type": "image_url", "image_url": {"url": data_url(png)}} for png in pngs]
+    content.append({"type": "text", "text": "What is in the pictures?"})
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_NEW_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": TOP_LOGPROBS,
+    }
+
+
+async def chat(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    """POSTs to SGLang's /v1/chat/completions; returns the answer's text and, per token, (its text, its
+    logprob, the top logprobs in order). SGLang's chat API names tokens by their text only, and the byte
+    tokens of no character of their own all read U+FFFD, so the top tokens are compared by logprob."""
+    async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+        if reply.status != 200:
+            raise AssertionError(f"{url} answered {reply.status}: {await reply.text()}")
+        choice = (await reply.json())["choices"][0]
+    steps = [
+        (step["token"], step["logprob"], sorted(top["logprob"] for top in step["top_logprobs"]))
+        for step in choice["logprobs"]["content"]
+    ]
+    return {"text": choice["message"]["content"], "steps": steps}
+
+
+# What an encoder server counted: the items of its successful calls, and the embedding rows it sent.
+SERVED = {"encoder_items_total": {"outcome": "ok", "code": "OK"}, "encoder_tokens_total": {}}
+
+
 def served(pod, name: str) -> float:
-    """A counter of an in-process encoder server, summed over its labels' OK outcome where it has them."""
-    labels = {"outcome": "ok", "code": "OK"} if name != "encoder_tokens_total" else {}
-    return pod.metrics.registry.get_sample_value(name, labels) or 0.0
+    return pod.metrics.registry.get_sample_value(name, SERVED[name]) or 0.0
 
 
 @pytest.fixture(scope="module")
@@ -74,33 +109,33 @@ async def answers(default_model_dir, tmp_path_factory):
     if not SGLANG_PYTHON.exists():
         pytest.fail(f"{SGLANG_PYTHON} is missing: run ./scripts/setup_sglang.sh (scripts/test.sh does)")
     logs = tmp_path_factory.mktemp("sglang")
-    requests = {count: generate_request(count) for count in SIZES}
+    generates = {count: generate_request(count) for count in SIZES}
+    chat_body = chat_request(str(default_model_dir), CHAT_COUNT)
     async with contextlib.AsyncExitStack() as stack:
         pods = [await stack.enter_async_context(running_server(default_model_dir)) for _ in range(2)]
         session = await stack.enter_async_context(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
         )
 
-        async def answer_all(log_name: str, extra_args=(), extra_env=None) -> dict:
+        async def answer_all(log_name: str, **flags) -> dict:
             # Started and stopped on a thread: the pods serve on this event loop meanwhile.
-            with contextlib.ExitStack() as engine:
-                server = await asyncio.to_thread(
-                    engine.enter_context,
-                    launch_sglang(default_model_dir, log_path=logs / log_name, extra_args=extra_args, extra_env=extra_env),
-                )
-                try:
-                    return {count: await generate(session, server.url, body) for count, body in requests.items()}
-                finally:
-                    await asyncio.to_thread(engine.close)
+            engine = contextlib.ExitStack()
+            launch = launch_sglang(default_model_dir, log_path=logs / log_name, **flags)
+            server = await asyncio.to_thread(engine.enter_context, launch)
+            try:
+                answers = {n: await generate(session, server.url, body) for n, body in generates.items()}
+                answers["chat"] = await chat(session, server.url, chat_body)
+                return answers
+            finally:
+                await asyncio.to_thread(engine.close)
 
         alone = await answer_all("alone.log")
         args, env = language_only_args([pod.url for pod in pods])
-        on_pods = await answer_all("language-only.log", args, env)
+        on_pods = await answer_all("language-only.log", extra_args=args, extra_env=env)
         yield {
             "alone": alone,
             "on_pods": on_pods,
-            "pods": [{name: served(pod, name) for name in ("encoder_items_total", "encoder_tokens_total")} for pod in pods],
-            "logs": logs,
+            "pods": [{name: served(pod, name) for name in SERVED} for pod in pods],
         }
 
 
@@ -110,15 +145,25 @@ def test_same_greedy_tokens_and_logprobs_as_sglang_alone(answers, count):
     assert len(alone["steps"]) == MAX_NEW_TOKENS
     assert on_pods["prompt_tokens"] == alone["prompt_tokens"]  # the same image token counts
     difference = logprob_gap(on_pods["steps"], alone["steps"])
-    print(f"\n{count} images: {len(alone['steps'])} tokens equal, largest logprob difference {difference:.2e}")
+    print(f"\n{count} images: {MAX_NEW_TOKENS} tokens equal, largest logprob difference {difference:.2e}")
     assert difference <= TOLERANCE
+
+
+def test_same_chat_answer_as_sglang_alone(answers):
+    alone, on_pods = answers["alone"]["chat"], answers["on_pods"]["chat"]
+    assert len(alone["steps"]) == MAX_NEW_TOKENS and on_pods["text"] == alone["text"]
+    assert [token for token, _, _ in on_pods["steps"]] == [token for token, _, _ in alone["steps"]]
+    for (_, logprob, top), (_, want_logprob, want_top) in zip(on_pods["steps"], alone["steps"]):
+        assert abs(logprob - want_logprob) <= TOLERANCE
+        torch.testing.assert_close(top, want_top, rtol=0, atol=TOLERANCE)
 
 
 def test_every_image_came_from_the_pods(answers):
     """The language-only server took every image from the pods (it encoded none itself), over both pods,
     and the rows they sent are the images' tokens (Qwen2.5-VL: one per 28x28 block of a grid-sized image)."""
     pods = answers["pods"]
-    assert sum(pod["encoder_items_total"] for pod in pods) == sum(len(sizes) for sizes in SIZES.values())
+    every_size = [size for sizes in [*SIZES.values(), SIZES[CHAT_COUNT]] for size in sizes]
+    assert sum(pod["encoder_items_total"] for pod in pods) == len(every_size)
     assert all(pod["encoder_items_total"] > 0 for pod in pods)
-    image_tokens = sum((w // 28) * (h // 28) for sizes in SIZES.values() for w, h in sizes)
+    image_tokens = sum((w // 28) * (h // 28) for w, h in every_size)
     assert sum(pod["encoder_tokens_total"] for pod in pods) == image_tokens
