@@ -7,33 +7,21 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from testkit import REPO_ROOT
-from testkit.vllm_server import _healthy, _stop, free_port
+from testkit.vllm_server import free_port, serving
 
 SGLANG_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 
 # SGLang's flags that run its model code on a CPU without SGLang's CPU kernels: the platform stays
 # generic (no SGLANG_USE_CPU_ENGINE), attention in plain torch, no CUDA graphs, a small KV cache
-# (its size sets most of the start-up time), float32 for exact comparisons.
+# (a large one takes seconds to allocate), float32 for exact comparisons.
 CPU_ARGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
     "--mem-fraction-static", "0.3", "--max-total-tokens", "8192", "--dtype", "float32",
 )  # fmt: skip
-
-
-@dataclass
-class SglangServer:
-    process: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 def sglang_env(**extra: str) -> dict[str, str]:
@@ -67,9 +55,9 @@ def launch_sglang(
     extra_args: Sequence[str] = (),
     extra_env: dict[str, str] | None = None,
     timeout: float = 600.0,
-) -> Iterator[SglangServer]:
-    """SGLang's server on 127.0.0.1 with CPU_ARGS; returns once /health answers 200; stopped (its whole
-    process group) on exit."""
+) -> Iterator[str]:
+    """SGLang's server on 127.0.0.1 with CPU_ARGS, logging to `log_path`; gives its URL once /health
+    answers 200; stopped (its whole process group) on exit."""
     port = free_port()
     args = [
         str(SGLANG_PYTHON), "-m", "sglang.launch_server", "--model-path", str(model_dir),
@@ -80,13 +68,6 @@ def launch_sglang(
             args, stdout=log_file, stderr=subprocess.STDOUT, env=sglang_env(**(extra_env or {})),
             cwd=log_path.parent, start_new_session=True,
         )  # fmt: skip
-        server = SglangServer(process, f"http://127.0.0.1:{port}", log_path)
-        try:
-            deadline = time.monotonic() + timeout
-            while not _healthy(server.url):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"SGLang did not start:\n{server.log()[-6000:]}")
-                time.sleep(1.0)
-            yield server
-        finally:
-            _stop(process)
+        url = f"http://127.0.0.1:{port}"
+        with serving(process, url, log_path, timeout=timeout, name="SGLang"):
+            yield url

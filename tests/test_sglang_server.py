@@ -121,10 +121,10 @@ async def answers(default_model_dir, tmp_path_factory):
             # Started and stopped on a thread: the pods serve on this event loop meanwhile.
             engine = contextlib.ExitStack()
             launch = launch_sglang(default_model_dir, log_path=logs / log_name, **flags)
-            server = await asyncio.to_thread(engine.enter_context, launch)
+            url = await asyncio.to_thread(engine.enter_context, launch)
             try:
-                answers = {n: await generate(session, server.url, body) for n, body in generates.items()}
-                answers["chat"] = await chat(session, server.url, chat_body)
+                answers = {n: await generate(session, url, body) for n, body in generates.items()}
+                answers["chat"] = await chat(session, url, chat_body)
                 return answers
             finally:
                 await asyncio.to_thread(engine.close)
