@@ -123,9 +123,9 @@ async def answers(default_model_dir, tmp_path_factory):
             launch = launch_sglang(default_model_dir, log_path=logs / log_name, **flags)
             url = await asyncio.to_thread(engine.enter_context, launch)
             try:
-                answers = {n: await generate(session, url, body) for n, body in generates.items()}
-                answers["chat"] = await chat(session, url, chat_body)
-                return answers
+                replies = {n: await generate(session, url, body) for n, body in generates.items()}
+                replies["chat"] = await chat(session, url, chat_body)
+                return replies
             finally:
                 await asyncio.to_thread(engine.close)
 
