@@ -54,7 +54,7 @@ def _ms(start: float) -> float:
 # ---------------------------------------------------------------- vLLM's side (runs in --engine-python)
 
 
-def vllm_worker(model_dir: str, threads: int, device: str) -> None:
+def vllm_worker(model_dir: str) -> None:
     """Reads one JSON request a line on stdin ({"image": path}), answers one RESULT line on stdout."""
     import torch
     from vllm import LLM
@@ -68,14 +68,14 @@ def vllm_worker(model_dir: str, threads: int, device: str) -> None:
         limit_mm_per_prompt={"image": 1},
         mm_processor_cache_gb=0,  # every round processes the image again, as a new image would be
     )
-    torch.set_num_threads(threads)
+    # vLLM's CPU worker turns torch.set_num_threads into a no-op once it starts; the worker's thread
+    # count is OMP_NUM_THREADS, which its processor uses too (set_default_torch_num_threads).
     renderer = llm.llm_engine.renderer
     image_pad = llm.get_tokenizer().convert_tokens_to_ids("<|image_pad|>")
     loader = ImageMediaIO(image_mode="RGB")
 
     def tower(pixel_values: torch.Tensor, grid_thw: torch.Tensor):
         def run(model):
-            torch.set_num_threads(threads)  # the worker's own setting, for the forward only
             device_ = next(model.visual.parameters()).device
             pixels, grid = pixel_values.to(device_), grid_thw.to(device_)
             if device_.type == "cuda":
@@ -103,14 +103,14 @@ def vllm_worker(model_dir: str, threads: int, device: str) -> None:
         tower_ms, embedding = tower(kwargs["pixel_values"], kwargs["image_grid_thw"])
         if "embedding_out" in request:
             torch.save(embedding, request["embedding_out"])
-        answer = {"load": load_ms, "processor": processor_ms, "tower": tower_ms, "tokens": embedding.shape[0]}
+        answer = {"load": load_ms, "processor": processor_ms, "tower": tower_ms, "threads": torch.get_num_threads()}
         print(RESULT_PREFIX + json.dumps(answer), flush=True)
 
 
 class VllmWorker:
     """The vLLM side as a child process of the engine venv; one request at a time."""
 
-    def __init__(self, engine_python: str, model_dir: Path, threads: int, device: str):
+    def __init__(self, engine_python: str, model_dir: Path, threads: int):
         env = dict(
             os.environ,
             HF_HUB_OFFLINE="1",
@@ -120,7 +120,6 @@ class VllmWorker:
             PYTHONPATH=str(REPO),
         )
         argv = [engine_python, __file__, "--vllm-worker", "--model", str(model_dir)]
-        argv += ["--threads", str(threads), "--device", device]
         self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._read()  # ready
 
@@ -197,7 +196,7 @@ def bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     model_dir = ensure_default_model(args.model)
     ours = OurEncodeStage(model_dir, args.device)
-    vllm = VllmWorker(args.engine_python, model_dir, args.threads, args.device)
+    vllm = VllmWorker(args.engine_python, model_dir, args.threads)
     results = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -206,7 +205,9 @@ def bench(args: argparse.Namespace) -> dict:
                 path.write_bytes(make_jpeg(*IMAGE_SIZES[name], seed=len(results)))
                 data = path.read_bytes()
                 # The first round of each side warms up (and checks that the two embeddings agree).
-                vllm.run(path, embedding_out=Path(tmp) / "vllm.pt")
+                warm = vllm.run(path, embedding_out=Path(tmp) / "vllm.pt")
+                if warm["threads"] != torch.get_num_threads():
+                    raise RuntimeError(f"vLLM runs {warm['threads']} torch threads, ours {torch.get_num_threads()}")
                 _, embedding = ours.run(data)
                 theirs = torch.load(Path(tmp) / "vllm.pt")
                 difference = (embedding.float() - theirs).abs().max().item()
@@ -259,7 +260,7 @@ def main() -> None:
     parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.vllm_worker:
-        vllm_worker(args.model, args.threads, args.device)
+        vllm_worker(args.model)
         return
     report = bench(args)
     print(f"worst ratio ours/vLLM: {report['worst_ratio']:.2f}x ({args.threads} threads, {args.device})")

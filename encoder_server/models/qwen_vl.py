@@ -6,14 +6,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from PIL import Image
-from torch import nn
 from transformers import PretrainedConfig
 
 from encoder_common.errors import TokenCountMismatchError
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
+from .kernels import use_engine_kernels
 from .loading import CheckpointError, load_vision_module
 from .processors import load_image_processor, processor_fingerprint
 
@@ -23,7 +22,7 @@ VISUAL_PREFIXES = {"model.visual.": "", "visual.": ""}
 
 
 class QwenVisionEncoder(VisionEncoder):
-    """Runs `visual(pixel_values, grid_thw)` exactly as the VLM's own get_image_features does."""
+    """Runs `visual(pixel_values, grid_thw)` as the VLM's own get_image_features does, on the engine kernels."""
 
     def __init__(self, model_dir: Path, config: PretrainedConfig, device: torch.device, dtype: torch.dtype):
         vision_config = config.vision_config
@@ -35,7 +34,7 @@ class QwenVisionEncoder(VisionEncoder):
             device,
             dtype,
         )
-        use_matmul_patch_embedding(self.tower)
+        use_engine_kernels(self.tower)  # what vLLM runs for the same weights: see kernels.py
         self.processor = load_image_processor(model_dir)
         _check_processor_matches_tower(self.processor, vision_config, model_dir)
         self.merge_size = vision_config.spatial_merge_size
@@ -86,36 +85,6 @@ class QwenVisionEncoder(VisionEncoder):
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
         merged = self.forward(batch).pooler_output
         return [ImageEmbedding(rows) for rows in split_by_tokens(merged, batch)]
-
-
-class PatchwiseConv3d(nn.Conv3d):
-    """A Conv3d whose kernel is its stride, run on inputs of exactly one kernel each (the Qwen patch
-    embeddings: [patches, channels, t, p, p]) as one matmul over the flattened patches.
-
-    Same weights and result (within float rounding): it is what vLLM's tower runs (`Conv3dLayer`'s
-    linear path). oneDNN's Conv3d took ~29 ms of a ~90 ms forward at 448x448 on one CPU thread, the
-    matmul ~3 ms; on CUDA, torch >= 2.9 no longer sends Conv3d to cuDNN and it is slower still.
-    """
-
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        if tuple(patches.shape[2:]) != self.kernel_size:
-            return super().forward(patches)
-        flat = F.linear(patches.reshape(patches.shape[0], -1), self.weight.view(self.out_channels, -1), self.bias)
-        return flat.view(*flat.shape, 1, 1, 1)
-
-
-def use_matmul_patch_embedding(tower: nn.Module) -> None:
-    """Turns the tower's patch-embedding Conv3d into a PatchwiseConv3d, keeping its parameters."""
-    conv = tower.patch_embed.proj
-    patchwise = (
-        type(conv) is nn.Conv3d
-        and conv.kernel_size == conv.stride
-        and not any(conv.padding)
-        and conv.dilation == (1, 1, 1)
-        and conv.groups == 1
-    )
-    if patchwise:
-        conv.__class__ = PatchwiseConv3d  # the same parameters and state_dict names, only the forward changes
 
 
 def _check_processor_matches_tower(processor, vision_config: PretrainedConfig, model_dir: Path) -> None:
