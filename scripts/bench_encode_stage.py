@@ -1,7 +1,7 @@
 """The encode stage against vLLM's own: bytes to embedding in the encoder server's code and in vLLM 0.32's,
 same checkpoint, same image, same torch thread count, timed per stage in alternating rounds.
 
-    .venv/bin/python scripts/bench_encode_stage.py [--threads 1] [--rounds 12] [--device cpu|cuda] [--json OUT]
+    .venv/bin/python scripts/bench_encode_stage.py [--threads 1] [--rounds 12] [--device cpu|cuda] [--json F]
 
 Ours runs in this process, with the server's own functions (`decode_image`, the encoder's `preprocess` and
 `encode`). vLLM runs in a worker process of `--engine-python` (its own venv): its image loader
@@ -103,7 +103,8 @@ def vllm_worker(model_dir: str) -> None:
         tower_ms, embedding = tower(kwargs["pixel_values"], kwargs["image_grid_thw"])
         if "embedding_out" in request:
             torch.save(embedding, request["embedding_out"])
-        answer = {"load": load_ms, "processor": processor_ms, "tower": tower_ms, "threads": torch.get_num_threads()}
+        threads = torch.get_num_threads()
+        answer = {"load": load_ms, "processor": processor_ms, "tower": tower_ms, "threads": threads}
         print(RESULT_PREFIX + json.dumps(answer), flush=True)
 
 
@@ -114,13 +115,14 @@ class VllmWorker:
         env = dict(
             os.environ,
             HF_HUB_OFFLINE="1",
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in the worker's own process: apply_model is a call
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in this process: apply_model is a call
             VLLM_CPU_KVCACHE_SPACE="1",
             OMP_NUM_THREADS=str(threads),  # vLLM runs its processor with this many torch threads
             PYTHONPATH=str(REPO),
         )
         argv = [engine_python, __file__, "--vllm-worker", "--model", str(model_dir)]
-        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(argv, env=env, **pipes)
         self._read()  # ready
 
     def _read(self) -> dict:
@@ -207,7 +209,8 @@ def bench(args: argparse.Namespace) -> dict:
                 # The first round of each side warms up (and checks that the two embeddings agree).
                 warm = vllm.run(path, embedding_out=Path(tmp) / "vllm.pt")
                 if warm["threads"] != torch.get_num_threads():
-                    raise RuntimeError(f"vLLM runs {warm['threads']} torch threads, ours {torch.get_num_threads()}")
+                    ours_threads = torch.get_num_threads()
+                    raise RuntimeError(f"vLLM runs {warm['threads']} torch threads, ours {ours_threads}")
                 _, embedding = ours.run(data)
                 theirs = torch.load(Path(tmp) / "vllm.pt")
                 difference = (embedding.float() - theirs).abs().max().item()
@@ -249,7 +252,8 @@ def _row(name: str, result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--model", default="models/default-qwen2_5_vl", help="checkpoint (written if absent)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per image and side")

@@ -11,7 +11,12 @@ import torch
 
 from encoder_server.images import decode_image
 from encoder_server.models import load_vision_encoder
-from encoder_server.models.kernels import PackedLinear, PatchwiseConv3d, pack_linear_layers, use_engine_kernels
+from encoder_server.models.kernels import (
+    PackedLinear,
+    PatchwiseConv3d,
+    pack_linear_layers,
+    use_engine_kernels,
+)
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc
 from protos.wire import CHUNK_BYTES
@@ -149,7 +154,8 @@ def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, che
     assert output.embedding.dtype == torch.bfloat16
     assert torch.equal(output.embedding, features.pooler_output[0])
     bf16_step = 2.0**-8 * stock.pooler_output[0].float().abs().max().item()
-    torch.testing.assert_close(output.embedding.float(), stock.pooler_output[0].float(), rtol=0, atol=bf16_step)
+    stock_embedding = stock.pooler_output[0].float()
+    torch.testing.assert_close(output.embedding.float(), stock_embedding, rtol=0, atol=bf16_step)
     deepstack = reference_deepstack(features)
     assert (output.deepstack is None) == (deepstack is None)
     if deepstack is not None:
@@ -157,7 +163,7 @@ def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, che
 
 
 def test_patchwise_conv3d_is_the_convolution_as_one_matmul():
-    """Same result as nn.Conv3d (float32 rounding) on whole-kernel inputs; other inputs take the convolution."""
+    """nn.Conv3d's result (float32 rounding) on whole-kernel inputs; other inputs take the convolution."""
     torch.manual_seed(0)
     for bias in (False, True):
         conv = torch.nn.Conv3d(3, 16, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=bias)
@@ -171,7 +177,8 @@ def test_patchwise_conv3d_is_the_convolution_as_one_matmul():
 
 def test_packed_linear_layers_compute_what_they_computed():
     torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 2048, bias=False))
+    layers = (torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 2048, bias=False))
+    mlp = torch.nn.Sequential(*layers)
     x = torch.randn(108, 128)
     expected = mlp(x)
     assert pack_linear_layers(mlp) == 2

@@ -24,7 +24,8 @@ class PatchwiseConv3d(nn.Conv3d):
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         if tuple(patches.shape[2:]) != self.kernel_size:
             return super().forward(patches)
-        flat = F.linear(patches.reshape(patches.shape[0], -1), self.weight.view(self.out_channels, -1), self.bias)
+        weight = self.weight.view(self.out_channels, -1)
+        flat = F.linear(patches.reshape(patches.shape[0], -1), weight, self.bias)
         return flat.view(*flat.shape, 1, 1, 1)
 
 
@@ -40,11 +41,13 @@ class PackedLinear(nn.Linear):
     packed_weight: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed_weight, self.bias, "none", [], ""
+        )
 
 
 def use_matmul_patch_embedding(patch_embed: nn.Module) -> None:
-    """Turns a patch embedding's Conv3d (`patch_embed.proj`) into a PatchwiseConv3d, keeping its parameters."""
+    """Turns a patch embedding's Conv3d (`patch_embed.proj`) into a PatchwiseConv3d, with its parameters."""
     conv = getattr(patch_embed, "proj", None)
     patchwise = (
         type(conv) is nn.Conv3d
@@ -85,7 +88,8 @@ def _packed_linear_runs(dtype: torch.dtype) -> bool:
     except (RuntimeError, AttributeError) as exc:  # a build without the op, or a dtype the CPU lacks
         log.info("oneDNN packed linear unavailable for %s (%s): the tower keeps torch's linear", dtype, exc)
         return False
-    return got.dtype == dtype and torch.allclose(got.float(), F.linear(x, weight).float(), rtol=1e-2, atol=1e-2)
+    expected = F.linear(x, weight).float()
+    return got.dtype == dtype and torch.allclose(got.float(), expected, rtol=1e-2, atol=1e-2)
 
 
 def use_engine_kernels(tower: nn.Module) -> None:

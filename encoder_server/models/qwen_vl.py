@@ -22,7 +22,7 @@ VISUAL_PREFIXES = {"model.visual.": "", "visual.": ""}
 
 
 class QwenVisionEncoder(VisionEncoder):
-    """Runs `visual(pixel_values, grid_thw)` as the VLM's own get_image_features does, on the engine kernels."""
+    """Runs `visual(pixel_values, grid_thw)` as the VLM's own get_image_features does, on engine kernels."""
 
     def __init__(self, model_dir: Path, config: PretrainedConfig, device: torch.device, dtype: torch.dtype):
         vision_config = config.vision_config
