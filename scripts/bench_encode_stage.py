@@ -7,7 +7,8 @@ Ours runs in this process, with the server's own functions (`decode_image`, the 
 `encode`). vLLM runs in a worker process of `--engine-python` (its own venv): its image loader
 (`ImageMediaIO.load_bytes`), its multimodal processor (`renderer._process_multimodal`: the checkpoint's HF
 processor plus vLLM's hashing and prompt updates) and its vision tower (`embed_multimodal`, through
-`LLM.apply_model`). The two sides take turns, never run at once; the ratio ours/vLLM is of the medians.
+`LLM.apply_model`). The two sides take turns, never run at once; the ratio ours/vLLM is the median over
+rounds of the two totals measured in the same round, the stage figures medians over rounds.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
+
+from testkit.vllm_server import ENGINES_PYTHON, engines_env
 
 # name -> (width, height): on the 28 px grid, a phone-photo size, and one off the grid.
 IMAGE_SIZES = {"448x448": (448, 448), "1024x768": (1024, 768), "333x250": (333, 250)}
@@ -112,13 +114,9 @@ class VllmWorker:
     """The vLLM side as a child process of the engine venv; one request at a time."""
 
     def __init__(self, engine_python: str, model_dir: Path, threads: int):
-        env = dict(
-            os.environ,
-            HF_HUB_OFFLINE="1",
+        env = engines_env(
             VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in this process: apply_model is a call
-            VLLM_CPU_KVCACHE_SPACE="1",
             OMP_NUM_THREADS=str(threads),  # vLLM runs its processor with this many torch threads
-            PYTHONPATH=str(REPO),
         )
         argv = [engine_python, __file__, "--vllm-worker", "--model", str(model_dir)]
         pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -215,15 +213,24 @@ def bench(args: argparse.Namespace) -> dict:
                 theirs = torch.load(Path(tmp) / "vllm.pt")
                 difference = (embedding.float() - theirs).abs().max().item()
                 our_rounds, vllm_rounds = [], []
-                for _ in range(args.rounds):  # alternating: drift of the shared host hits both sides alike
-                    our_rounds.append(ours.run(data)[0])
-                    vllm_rounds.append(vllm.run(path))
+                for round_ in range(args.rounds):
+                    # A round is one run of each side, back to back, the first side alternating: the
+                    # shared host's drift hits both alike.
+                    if round_ % 2:
+                        vllm_rounds.append(vllm.run(path))
+                        our_rounds.append(ours.run(data)[0])
+                    else:
+                        our_rounds.append(ours.run(data)[0])
+                        vllm_rounds.append(vllm.run(path))
                 our, their = _medians(our_rounds, OUR_STAGES), _medians(vllm_rounds, VLLM_STAGES)
                 results[name] = {
                     "tokens": int(embedding.shape[0]),
                     "ours_ms": our,
                     "vllm_ms": their,
-                    "ratio": our["total"] / their["total"],
+                    "ratio": statistics.median(
+                        sum(o[s] for s in OUR_STAGES) / sum(v[s] for s in VLLM_STAGES)
+                        for o, v in zip(our_rounds, vllm_rounds)
+                    ),
                     "largest_embedding_difference": difference,
                 }
                 print(_row(name, results[name]), flush=True)
@@ -259,7 +266,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per image and side")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--images", nargs="+", default=list(IMAGE_SIZES), choices=list(IMAGE_SIZES))
-    parser.add_argument("--engine-python", default=str(REPO / ".venv-engines/bin/python"), help="vLLM's venv")
+    parser.add_argument("--engine-python", default=str(ENGINES_PYTHON), help="vLLM's venv's python")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
