@@ -61,7 +61,7 @@ def _ms(start: float) -> float:
 
 
 def vllm_worker(model_dir: str) -> None:
-    """Reads one JSON request a line on stdin ({"image": path}), answers one RESULT line on stdout."""
+    """Reads one JSON request a line on stdin ({"image": path}), answers one BENCH-RESULT line on stdout."""
     import torch
     from vllm import LLM
     from vllm.multimodal.media.image import ImageMediaIO
