@@ -6,22 +6,31 @@ It loads the whole checkpoint, language model included: never use it in a pod.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 
-def reference_features(model_dir: Path, images: list[bytes], dtype: torch.dtype = torch.float32):
+def reference_features(
+    model_dir: Path,
+    images: list[bytes],
+    dtype: torch.dtype = torch.float32,
+    adapt_model: Callable[[torch.nn.Module], None] | None = None,
+):
     """The full VLM's own get_image_features on each image, run in-process: the ground truth.
 
     Each output's `.pooler_output` holds the image's embedding (a one-element list or tuple);
     Qwen3-VL's `.deepstack_features` holds, per deepstack layer, a one-element tuple too.
+    `adapt_model`, when given, is applied to the loaded model first (to reproduce a served variant).
     """
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from encoder_server.images import decode_image
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype).eval()
+    if adapt_model is not None:
+        adapt_model(model)
     processor = AutoImageProcessor.from_pretrained(str(model_dir))
     outputs = []
     with torch.inference_mode():

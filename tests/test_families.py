@@ -11,6 +11,12 @@ import torch
 
 from encoder_server.images import decode_image
 from encoder_server.models import load_vision_encoder
+from encoder_server.models.kernels import (
+    PackedLinear,
+    PatchwiseConv3d,
+    pack_linear_layers,
+    use_engine_kernels,
+)
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc
 from protos.wire import CHUNK_BYTES
@@ -128,19 +134,56 @@ async def test_precompute_files_of_a_llava_full_checkpoint_are_accepted_back(che
     torch.testing.assert_close(result.items[1].embedding, result.items[0].embedding, rtol=1e-5, atol=1e-5)
 
 
+def _engine_kernels(model: torch.nn.Module) -> None:
+    if hasattr(model.model, "visual"):  # the Qwen families
+        use_engine_kernels(model.model.visual)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, checkpoints):
-    """Built in the served dtype the way from_pretrained builds it, the tower runs the very same ops."""
+    """Built in the served dtype the way from_pretrained builds it, the tower runs the very same ops but for
+    the Qwen towers' engine kernels (patch embedding as a matmul, oneDNN linears, as vLLM runs them): bit for
+    bit the model's own forward with those kernels, and within one bf16 rounding of its stock forward."""
     images = [image_bytes(200, 150, seed=11)]
-    (features,) = reference_features(checkpoints[case], images, dtype=torch.bfloat16)
+    (stock,) = reference_features(checkpoints[case], images, dtype=torch.bfloat16)
+    (features,) = reference_features(
+        checkpoints[case], images, dtype=torch.bfloat16, adapt_model=_engine_kernels
+    )
     encoder = load_vision_encoder(checkpoints[case], "cpu", torch.bfloat16)
     (output,) = encoder.encode([encoder.preprocess(decode_image(images[0]))])
     assert output.embedding.dtype == torch.bfloat16
     assert torch.equal(output.embedding, features.pooler_output[0])
+    bf16_step = 2.0**-8 * stock.pooler_output[0].float().abs().max().item()
+    stock_embedding = stock.pooler_output[0].float()
+    torch.testing.assert_close(output.embedding.float(), stock_embedding, rtol=0, atol=bf16_step)
     deepstack = reference_deepstack(features)
     assert (output.deepstack is None) == (deepstack is None)
     if deepstack is not None:
         assert torch.equal(output.deepstack, deepstack)
+
+
+def test_patchwise_conv3d_is_the_convolution_as_one_matmul():
+    """nn.Conv3d's result (float32 rounding) on whole-kernel inputs; other inputs take the convolution."""
+    torch.manual_seed(0)
+    for bias in (False, True):
+        conv = torch.nn.Conv3d(3, 16, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=bias)
+        patches = torch.randn(37, 3, 2, 14, 14)
+        expected = conv(patches)
+        conv.__class__ = PatchwiseConv3d
+        torch.testing.assert_close(conv(patches), expected, rtol=1e-5, atol=1e-5)
+        wider = torch.randn(2, 3, 2, 28, 28)  # two kernels per side: not one patch per row
+        assert conv(wider).shape == (2, 16, 1, 2, 2)
+
+
+def test_packed_linear_layers_compute_what_they_computed():
+    torch.manual_seed(0)
+    layers = (torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 2048, bias=False))
+    mlp = torch.nn.Sequential(*layers)
+    x = torch.randn(108, 128)
+    expected = mlp(x)
+    assert pack_linear_layers(mlp) == 2
+    assert all(type(layer) is PackedLinear for layer in (mlp[0], mlp[2]))
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
 
 
 async def test_qwen3_vl_stream_carries_the_deepstack_layers_after_the_embedding(checkpoints):

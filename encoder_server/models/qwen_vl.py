@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from encoder_common.errors import TokenCountMismatchError
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
+from .kernels import use_engine_kernels
 from .loading import CheckpointError, load_vision_module
 from .processors import load_image_processor, processor_fingerprint
 
@@ -21,7 +22,7 @@ VISUAL_PREFIXES = {"model.visual.": "", "visual.": ""}
 
 
 class QwenVisionEncoder(VisionEncoder):
-    """Runs `visual(pixel_values, grid_thw)` exactly as the VLM's own get_image_features does."""
+    """Runs `visual(pixel_values, grid_thw)` as the VLM's own get_image_features does, on engine kernels."""
 
     def __init__(self, model_dir: Path, config: PretrainedConfig, device: torch.device, dtype: torch.dtype):
         vision_config = config.vision_config
@@ -33,6 +34,7 @@ class QwenVisionEncoder(VisionEncoder):
             device,
             dtype,
         )
+        use_engine_kernels(self.tower)  # what vLLM runs for the same weights: see kernels.py
         self.processor = load_image_processor(model_dir)
         _check_processor_matches_tower(self.processor, vision_config, model_dir)
         self.merge_size = vision_config.spatial_merge_size

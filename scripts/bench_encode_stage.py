@@ -1,0 +1,282 @@
+"""The encode stage against vLLM's own: bytes to embedding in the encoder server's code and in vLLM 0.32's,
+same checkpoint, same image, same torch thread count, timed per stage in alternating rounds.
+
+    .venv/bin/python scripts/bench_encode_stage.py [--threads 1] [--rounds 12] [--device cpu|cuda] [--json F]
+
+Ours runs in this process, with the server's own functions (`decode_image`, the encoder's `preprocess` and
+`encode`). vLLM runs in a worker process of `--engine-python` (its own venv): its image loader
+(`ImageMediaIO.load_bytes`), its multimodal processor (`renderer._process_multimodal`: the checkpoint's HF
+processor plus vLLM's hashing and prompt updates) and its vision tower (`embed_multimodal`, through
+`LLM.apply_model`). The two sides take turns, never run at once; the ratio ours/vLLM is the median over
+rounds of the two totals measured in the same round, the stage figures medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it runs: --help and the worker's start stay light
+    import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
+
+from testkit.vllm_server import ENGINES_PYTHON, engines_env
+
+# name -> (width, height): on the 28 px grid, a phone-photo size, and one off the grid.
+IMAGE_SIZES = {"448x448": (448, 448), "1024x768": (1024, 768), "333x250": (333, 250)}
+OUR_STAGES = ("decode", "preprocess", "forward")
+VLLM_STAGES = ("load", "processor", "tower")
+RESULT_PREFIX = "BENCH-RESULT "
+
+
+def make_jpeg(width: int, height: int, seed: int) -> bytes:
+    """A photo-like JPEG: smooth gradients plus noise, so that it compresses as camera images do."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([x / width * 255, y / height * 255, (x + y) / (width + height) * 255], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 24, base.shape), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+def _ms(start: float) -> float:
+    return (time.perf_counter() - start) * 1000
+
+
+# ---------------------------------------------------------------- vLLM's side (runs in --engine-python)
+
+
+def vllm_worker(model_dir: str) -> None:
+    """Reads one JSON request a line on stdin ({"image": path}), answers one BENCH-RESULT line on stdout."""
+    import torch
+    from vllm import LLM
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=16384,
+        limit_mm_per_prompt={"image": 1},
+        mm_processor_cache_gb=0,  # every round processes the image again, as a new image would be
+    )
+    # vLLM's CPU worker turns torch.set_num_threads into a no-op once it starts; the worker's thread
+    # count is OMP_NUM_THREADS, which its processor uses too (set_default_torch_num_threads).
+    renderer = llm.llm_engine.renderer
+    image_pad = llm.get_tokenizer().convert_tokens_to_ids("<|image_pad|>")
+    loader = ImageMediaIO(image_mode="RGB")
+
+    def tower(pixel_values: torch.Tensor, grid_thw: torch.Tensor):
+        def run(model):
+            device_ = next(model.visual.parameters()).device
+            pixels, grid = pixel_values.to(device_), grid_thw.to(device_)
+            if device_.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                (embedding,) = model.embed_multimodal(pixel_values=pixels, image_grid_thw=grid)
+            if device_.type == "cuda":
+                torch.cuda.synchronize()
+            return _ms(start), embedding.float().cpu()
+
+        return llm.apply_model(run)[0]
+
+    print(RESULT_PREFIX + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        data = Path(request["image"]).read_bytes()
+        start = time.perf_counter()
+        image = loader.load_bytes(data)
+        load_ms = _ms(start)
+        start = time.perf_counter()
+        inputs = renderer._process_multimodal([image_pad], {"image": [image]}, None, None)
+        processor_ms = _ms(start)
+        kwargs = inputs["mm_kwargs"].get_data()
+        tower_ms, embedding = tower(kwargs["pixel_values"], kwargs["image_grid_thw"])
+        if "embedding_out" in request:
+            torch.save(embedding, request["embedding_out"])
+        threads = torch.get_num_threads()
+        answer = {"load": load_ms, "processor": processor_ms, "tower": tower_ms, "threads": threads}
+        print(RESULT_PREFIX + json.dumps(answer), flush=True)
+
+
+class VllmWorker:
+    """The vLLM side as a child process of the engine venv; one request at a time."""
+
+    def __init__(self, engine_python: str, model_dir: Path, threads: int):
+        env = engines_env(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # engine core in this process: apply_model is a call
+            OMP_NUM_THREADS=str(threads),  # vLLM runs its processor with this many torch threads
+        )
+        argv = [engine_python, __file__, "--vllm-worker", "--model", str(model_dir)]
+        pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(argv, env=env, **pipes)
+        self._read()  # ready
+
+    def _read(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(RESULT_PREFIX):
+                return json.loads(line[len(RESULT_PREFIX) :])
+        raise RuntimeError(f"the vLLM worker ended (exit status {self.process.wait()})")
+
+    def run(self, image: Path, embedding_out: Path | None = None) -> dict:
+        request = {"image": str(image)}
+        if embedding_out is not None:
+            request["embedding_out"] = str(embedding_out)
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+# ---------------------------------------------------------------- our side (in this process)
+
+
+class OurEncodeStage:
+    """The server's own path from bytes to embedding: the functions its pipeline and batcher call."""
+
+    def __init__(self, model_dir: Path, device: str):
+        import torch
+
+        from encoder_server.models import load_vision_encoder
+
+        self.encoder = load_vision_encoder(model_dir, device, torch.float32)
+
+    def run(self, data: bytes) -> tuple[dict, torch.Tensor]:
+        from encoder_server.images import decode_image
+
+        start = time.perf_counter()
+        image = decode_image(data)
+        decode_ms = _ms(start)
+        start = time.perf_counter()
+        prepared = self.encoder.preprocess(image)
+        preprocess_ms = _ms(start)
+        start = time.perf_counter()
+        (output,) = self.encoder.encode([prepared])  # copies to the CPU: a cuda forward has finished
+        forward_ms = _ms(start)
+        return {"decode": decode_ms, "preprocess": preprocess_ms, "forward": forward_ms}, output.embedding
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _medians(rounds: list[dict], stages: tuple[str, ...]) -> dict:
+    medians = {stage: statistics.median(r[stage] for r in rounds) for stage in stages}
+    medians["total"] = statistics.median(sum(r[s] for s in stages) for r in rounds)
+    return medians
+
+
+def bench(args: argparse.Namespace) -> dict:
+    import torch
+
+    from testkit.default_model import ensure_default_model
+
+    torch.set_num_threads(args.threads)
+    model_dir = ensure_default_model(args.model)
+    ours = OurEncodeStage(model_dir, args.device)
+    vllm = VllmWorker(args.engine_python, model_dir, args.threads)
+    results = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in args.images:
+                path = Path(tmp) / f"{name}.jpg"
+                path.write_bytes(make_jpeg(*IMAGE_SIZES[name], seed=len(results)))
+                data = path.read_bytes()
+                # The first round of each side warms up (and checks that the two embeddings agree).
+                warm = vllm.run(path, embedding_out=Path(tmp) / "vllm.pt")
+                if warm["threads"] != torch.get_num_threads():
+                    ours_threads = torch.get_num_threads()
+                    raise RuntimeError(f"vLLM runs {warm['threads']} torch threads, ours {ours_threads}")
+                _, embedding = ours.run(data)
+                theirs = torch.load(Path(tmp) / "vllm.pt")
+                difference = (embedding.float() - theirs).abs().max().item()
+                our_rounds, vllm_rounds = [], []
+                for round_ in range(args.rounds):
+                    # A round is one run of each side, back to back, the first side alternating: the
+                    # shared host's drift hits both alike.
+                    if round_ % 2:
+                        vllm_rounds.append(vllm.run(path))
+                        our_rounds.append(ours.run(data)[0])
+                    else:
+                        our_rounds.append(ours.run(data)[0])
+                        vllm_rounds.append(vllm.run(path))
+                our, their = _medians(our_rounds, OUR_STAGES), _medians(vllm_rounds, VLLM_STAGES)
+                results[name] = {
+                    "tokens": int(embedding.shape[0]),
+                    "ours_ms": our,
+                    "vllm_ms": their,
+                    "ratio": statistics.median(
+                        sum(o[s] for s in OUR_STAGES) / sum(v[s] for s in VLLM_STAGES)
+                        for o, v in zip(our_rounds, vllm_rounds)
+                    ),
+                    "largest_embedding_difference": difference,
+                }
+                print(_row(name, results[name]), flush=True)
+    finally:
+        vllm.close()
+    return {
+        "machine": f"{os.cpu_count()}-core {os.uname().machine}",
+        "device": args.device,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "images": results,
+        "worst_ratio": max(r["ratio"] for r in results.values()),
+    }
+
+
+def _row(name: str, result: dict) -> str:
+    our, their = result["ours_ms"], result["vllm_ms"]
+    ours = " + ".join(f"{stage} {our[stage]:.1f}" for stage in OUR_STAGES)
+    theirs = " + ".join(f"{stage} {their[stage]:.1f}" for stage in VLLM_STAGES)
+    return (
+        f"{name:>9} ({result['tokens']} tokens): ours {our['total']:.1f} ms ({ours}) | "
+        f"vLLM {their['total']:.1f} ms ({theirs}) | ratio {result['ratio']:.2f}x | "
+        f"max |diff| {result['largest_embedding_difference']:.1e}"
+    )
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--model", default="models/default-qwen2_5_vl", help="checkpoint (written if absent)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
+    parser.add_argument("--rounds", type=int, default=12, help="timed rounds per image and side")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--images", nargs="+", default=list(IMAGE_SIZES), choices=list(IMAGE_SIZES))
+    parser.add_argument("--engine-python", default=str(ENGINES_PYTHON), help="vLLM's venv's python")
+    parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.vllm_worker:
+        vllm_worker(args.model)
+        return
+    report = bench(args)
+    print(f"worst ratio ours/vLLM: {report['worst_ratio']:.2f}x ({args.threads} threads, {args.device})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":  # vLLM spawns processes that import this module
+    main()
