@@ -176,8 +176,8 @@ class MeteredEncoder(VisionEncoder):
         self.spec = encoder.spec
         self.metrics = metrics
 
-    def preprocess(self, image) -> PreparedImage:
-        return self.inner.preprocess(image)
+    def preprocess(self, image, backend: str = "torchvision") -> PreparedImage:
+        return self.inner.preprocess(image, backend)
 
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
         started = time.perf_counter()

@@ -102,10 +102,10 @@ class EncoderDouble(VisionEncoder):
             self.preprocessed = 0
             self.batches.clear()
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image, backend: str = "torchvision") -> PreparedImage:
         with self._lock:
             self.preprocessed += 1
-        prepared = self.inner.preprocess(image) if self.inner is not None else self._made_up_preprocess(image)
+        prepared = self.inner.preprocess(image, backend) if self.inner is not None else self._made_up_preprocess(image)
         if image.width == self.miscount_width:
             return dataclasses.replace(prepared, num_tokens=prepared.num_tokens + 1)
         return prepared

@@ -58,8 +58,9 @@ class VisionEncoder(abc.ABC):
     spec: ModelSpec
 
     @abc.abstractmethod
-    def preprocess(self, image: Image.Image) -> PreparedImage:
-        """Runs the checkpoint's image processor on one RGB image."""
+    def preprocess(self, image: Image.Image, backend: str = "torchvision") -> PreparedImage:
+        """Runs the checkpoint's image processor on one RGB image, with transformers' `backend`
+        ("torchvision" or "pil", the profile's choice)."""
 
     @abc.abstractmethod
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:

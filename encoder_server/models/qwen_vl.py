@@ -13,7 +13,7 @@ from encoder_common.errors import TokenCountMismatchError
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from .loading import CheckpointError, load_vision_module
-from .processors import load_image_processor, processor_fingerprint
+from .processors import DEFAULT_BACKEND, ImageProcessors, processor_fingerprint
 
 # transformers 5.x saves `visual.*` for Qwen2/2.5-VL and `model.visual.*` for Qwen3-VL; hub
 # checkpoints of each family use either.
@@ -33,8 +33,8 @@ class QwenVisionEncoder(VisionEncoder):
             device,
             dtype,
         )
-        self.processor = load_image_processor(model_dir)
-        _check_processor_matches_tower(self.processor, vision_config, model_dir)
+        self.processors = ImageProcessors(model_dir)
+        _check_processor_matches_tower(self.processors.default, vision_config, model_dir)
         self.merge_size = vision_config.spatial_merge_size
         self.spec = ModelSpec(
             family=config.model_type.removesuffix("_moe"),  # a MoE language model does not change the tower
@@ -47,7 +47,7 @@ class QwenVisionEncoder(VisionEncoder):
             temporal_patch_size=vision_config.temporal_patch_size,
             num_deepstack_layers=len(getattr(vision_config, "deepstack_visual_indexes", None) or ()),
             weights_fingerprint=fingerprint,
-            preprocess_fingerprint=processor_fingerprint(self.processor),
+            preprocess_fingerprint=processor_fingerprint(self.processors.default),
         )
 
     @staticmethod
@@ -62,8 +62,8 @@ class QwenVisionEncoder(VisionEncoder):
 
         return Qwen2_5_VisionTransformerPretrainedModel
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
-        out = self.processor(images=[image], return_tensors="pt")
+    def preprocess(self, image: Image.Image, backend: str = DEFAULT_BACKEND) -> PreparedImage:
+        out = self.processors[backend](images=[image], return_tensors="pt")
         t, h, w = (int(x) for x in out["image_grid_thw"][0])
         return PreparedImage(
             pixel_values=out["pixel_values"],
