@@ -52,7 +52,11 @@ def decode_image(
     try:
         image = Image.open(io.BytesIO(data), formats=formats)
         _check_size(image, max_pixels, max_aspect_ratio)
-        return _LOADERS[loader](image, background)
+        rgb = _LOADERS[loader](image, background)
+        # The loader alone decides what transparency means: transformers 5.24's processors composite a
+        # transparency key left on an RGB image, those beside the engines (5.19) ignore it.
+        rgb.info.pop("transparency", None)
+        return rgb
     except InvalidItemError:
         raise
     except UnidentifiedImageError:

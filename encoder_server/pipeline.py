@@ -152,7 +152,7 @@ class ItemPipeline:
         config = self.config
         image = self.profile.decode(data, max_pixels=config.max_image_pixels, max_aspect_ratio=config.max_aspect_ratio)
         try:
-            return self.encoder.preprocess(image, self.profile.backend)
+            return self.encoder.preprocess(image, self.profile)
         except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
             raise InvalidItemError(f"the image processor refused it: {exc}") from None
 

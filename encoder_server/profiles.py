@@ -10,13 +10,16 @@ from PIL import Image
 from .images import DEFAULT_MAX_IMAGE_PIXELS, ENGINE_MAX_IMAGE_PIXELS, decode_image
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PreprocessProfile:
     """One engine's way from bytes to pixel values: its image loader and the processor backend it runs."""
 
     name: str
     backend: str  # transformers' image-processor backend: "torchvision" or "pil"
     default_max_pixels: int  # the engine's own pixel limit, unless --max-image-pixels says otherwise
+    # vLLM rescales and normalizes Qwen pixels itself, on the device, in one float32 affine step
+    # (x * rescale/std - mean/std) instead of the processor's two: last-bit different values.
+    fused_normalize: bool
     checked_against: tuple[str, ...]  # package versions whose own code gave the same pixel values
 
     def decode(self, data: bytes, *, max_pixels: int | None, max_aspect_ratio: float) -> Image.Image:
@@ -27,16 +30,31 @@ class PreprocessProfile:
 
 # The one table of profiles. tests/test_parity.py runs the installed engines' own loaders and processors
 # against these and fails when their pixel values change: update `checked_against` with the new release.
+ENGINE_STACK = ("transformers 5.19.0", "torchvision 0.28.0", "pillow 13.0.0")  # in .venv-engines beside both
 PROFILES: dict[str, PreprocessProfile] = {
     profile.name: profile
     for profile in (
         PreprocessProfile(
-            "vllm", "torchvision", ENGINE_MAX_IMAGE_PIXELS, ("vllm 0.32.0", "transformers 5.19.0", "torchvision 0.28.0", "pillow 13.0.0")
+            name="vllm",
+            backend="torchvision",
+            default_max_pixels=ENGINE_MAX_IMAGE_PIXELS,
+            fused_normalize=True,
+            checked_against=("vllm 0.32.0", *ENGINE_STACK),
         ),
         PreprocessProfile(
-            "sglang", "torchvision", ENGINE_MAX_IMAGE_PIXELS, ("sglang 0.5.23", "transformers 5.19.0", "torchvision 0.28.0", "pillow 13.0.0")
+            name="sglang",
+            backend="torchvision",
+            default_max_pixels=ENGINE_MAX_IMAGE_PIXELS,
+            fused_normalize=False,
+            checked_against=("sglang 0.5.23", *ENGINE_STACK),
         ),
-        PreprocessProfile("transformers", "pil", DEFAULT_MAX_IMAGE_PIXELS, ("transformers 5.24.0", "pillow 13.0.0")),
+        PreprocessProfile(
+            name="transformers",
+            backend="torchvision",  # what transformers picks beside torchvision, which the server extra installs
+            default_max_pixels=DEFAULT_MAX_IMAGE_PIXELS,
+            fused_normalize=False,
+            checked_against=("transformers 5.24.0", "torchvision 0.28.0", "pillow 13.0.0"),
+        ),
     )
 }
 DEFAULT_PROFILE = "vllm"  # what native Encode's consumers (EncoderReceiver, encoder-gateway, the connector) feed

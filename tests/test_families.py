@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from encoder_server.images import decode_image
+from encoder_server.profiles import PROFILES
 from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc
@@ -134,7 +135,7 @@ def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, che
     images = [image_bytes(200, 150, seed=11)]
     (features,) = reference_features(checkpoints[case], images, dtype=torch.bfloat16)
     encoder = load_vision_encoder(checkpoints[case], "cpu", torch.bfloat16)
-    (output,) = encoder.encode([encoder.preprocess(decode_image(images[0]))])
+    (output,) = encoder.encode([encoder.preprocess(decode_image(images[0]), PROFILES["transformers"])])
     assert output.embedding.dtype == torch.bfloat16
     assert torch.equal(output.embedding, features.pooler_output[0])
     deepstack = reference_deepstack(features)

@@ -20,7 +20,8 @@ from encoder_common.errors import TokenCountMismatchError
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from .loading import load_vision_module, settings_fingerprint
-from .processors import DEFAULT_BACKEND, ImageProcessors, processor_fingerprint
+from ..profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
+from .processors import ImageProcessors, processor_fingerprint
 
 # llava-hf checkpoints store `vision_tower.vision_model.*` and `multi_modal_projector.*`;
 # transformers 5.x saves `vision_tower.*` (it dropped the CLIP wrapper's `vision_model.` level)
@@ -95,8 +96,9 @@ class LlavaVisionEncoder(VisionEncoder):
             extra_tokens_per_item=self.extra_tokens,
         )
 
-    def preprocess(self, image: Image.Image, backend: str = DEFAULT_BACKEND) -> PreparedImage:
-        pixel_values = self.processors[backend](images=[image], return_tensors="pt")["pixel_values"]
+    def preprocess(self, image: Image.Image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]) -> PreparedImage:
+        # vLLM normalizes LLaVA's pixels in its processor, not on the device: no fused step here.
+        pixel_values = self.processors[profile.backend](images=[image], return_tensors="pt")["pixel_values"]
         rows, columns = (int(side) // self.patch_size for side in pixel_values.shape[-2:])
         return PreparedImage(
             pixel_values=pixel_values,

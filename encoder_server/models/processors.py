@@ -7,6 +7,7 @@ import json
 import threading
 from pathlib import Path
 
+import torch
 from transformers import AutoImageProcessor
 
 DEFAULT_BACKEND = "torchvision"  # what transformers picks beside torchvision, as vLLM and SGLang run it
@@ -34,6 +35,20 @@ class ImageProcessors:
                     processor = AutoImageProcessor.from_pretrained(str(self.model_dir), backend=backend)
                     self._loaded[backend] = processor
         return processor
+
+
+def fused_normalize(processor, raw_pixel_values: torch.Tensor) -> torch.Tensor:
+    """vLLM's device-side normalization of Qwen patches ([patches, channels * rest], unrescaled): one
+    float32 affine step per channel, x * (rescale / std) + (-mean / std), with the processor's own
+    settings; the processor's rescale-then-normalize gives values a last bit apart."""
+    rescale = processor.rescale_factor if processor.do_rescale else 1.0
+    channels = len(processor.image_mean)
+    mean = torch.tensor(processor.image_mean if processor.do_normalize else [0.0] * channels, dtype=torch.float32)
+    std = torch.tensor(processor.image_std if processor.do_normalize else [1.0] * channels, dtype=torch.float32)
+    patches, size = raw_pixel_values.shape
+    by_channel = raw_pixel_values.reshape(patches, channels, size // channels)
+    normalized = by_channel * (rescale / std).view(1, channels, 1) + (-mean / std).view(1, channels, 1)
+    return normalized.view(patches, size).to(torch.float32)
 
 
 def processor_fingerprint(processor) -> str:

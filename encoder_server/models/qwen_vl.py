@@ -13,7 +13,8 @@ from encoder_common.errors import TokenCountMismatchError
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from .loading import CheckpointError, load_vision_module
-from .processors import DEFAULT_BACKEND, ImageProcessors, processor_fingerprint
+from ..profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
+from .processors import ImageProcessors, fused_normalize, processor_fingerprint
 
 # transformers 5.x saves `visual.*` for Qwen2/2.5-VL and `model.visual.*` for Qwen3-VL; hub
 # checkpoints of each family use either.
@@ -62,14 +63,20 @@ class QwenVisionEncoder(VisionEncoder):
 
         return Qwen2_5_VisionTransformerPretrainedModel
 
-    def preprocess(self, image: Image.Image, backend: str = DEFAULT_BACKEND) -> PreparedImage:
-        out = self.processors[backend](images=[image], return_tensors="pt")
+    def preprocess(self, image: Image.Image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]) -> PreparedImage:
+        processor = self.processors[profile.backend]
+        if profile.fused_normalize:
+            out = processor(images=[image], return_tensors="pt", do_rescale=False, do_normalize=False)
+            pixel_values = fused_normalize(processor, out["pixel_values"])
+        else:
+            out = processor(images=[image], return_tensors="pt")
+            pixel_values = out["pixel_values"]
         t, h, w = (int(x) for x in out["image_grid_thw"][0])
         return PreparedImage(
-            pixel_values=out["pixel_values"],
+            pixel_values=pixel_values,
             grid_thw=(t, h, w),
             num_tokens=t * h * w // self.merge_size**2,
-            num_patches=int(out["pixel_values"].shape[0]),
+            num_patches=int(pixel_values.shape[0]),
         )
 
     def forward(self, batch: Sequence[PreparedImage]):
