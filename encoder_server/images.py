@@ -108,18 +108,16 @@ def _load_like_sglang(image: Image.Image, background: tuple[int, int, int]) -> I
 
 
 def _load_like_transformers(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:
-    """transformers' `convert_to_rgb`: every mode through Pillow's own conversion, so 16-bit and wider
+    """transformers 5.24's `convert_to_rgb`: every mode through Pillow's own conversion, so 16-bit and wider
     greyscale is clipped at 255 exactly as in-process, not rescaled; transparency composited on
     `background` with Pillow's alpha_composite; no EXIF orientation."""
     image.seek(0)
     image.load()
-    if image.mode == "RGB":
-        return image
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
+    if "A" in image.getbands() or image.info.get("transparency") is not None:  # a key on RGB too
         rgba = image.convert("RGBA")
         flat = Image.new("RGBA", rgba.size, (*background, 255))
         return Image.alpha_composite(flat, rgba).convert("RGB")
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 _LOADERS: dict[str, Callable[[Image.Image, tuple[int, int, int]], Image.Image]] = {

@@ -1,7 +1,7 @@
 """Run in .venv-engines (the checkout on PYTHONPATH): the installed engines' own image loading and processors
 on the parity image set, for tests/test_parity.py to compare with the encoder's profiles.
 
-    python testkit/engine_pixels.py MODEL_DIR OUT_DIR
+    python testkit/engine_pixels.py MODEL_DIR OUT_DIR [ENGINE...]   (vllm, sglang; default both)
 
 Writes OUT_DIR/pixels.safetensors ("<engine>/<image>/pixel_values" and ".../grid_thw") and
 OUT_DIR/results.json (the engines' versions, and each image's refusal where an engine refused it).
@@ -87,7 +87,7 @@ def sglang_pixels(model_dir: str, images: dict[str, bytes], tensors: dict, refus
     return sglang.__version__
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def main(model_dir: str, out_dir: str, engines: list[str]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import PIL
     import torchvision
@@ -100,14 +100,15 @@ def main(model_dir: str, out_dir: str) -> None:
     tensors: dict = {}
     results: dict = {
         "versions": {"transformers": transformers.__version__, "torchvision": torchvision.__version__, "pillow": PIL.__version__},
-        "refused": {"vllm": {}, "sglang": {}},
+        "refused": {engine: {} for engine in engines},
     }
-    results["versions"]["vllm"] = vllm_pixels(model_dir, images, tensors, results["refused"]["vllm"])
-    results["versions"]["sglang"] = sglang_pixels(model_dir, images, tensors, results["refused"]["sglang"])
+    for engine in engines:
+        run = {"vllm": vllm_pixels, "sglang": sglang_pixels}[engine]
+        results["versions"][engine] = run(model_dir, images, tensors, results["refused"][engine])
     save_file(tensors, str(Path(out_dir) / "pixels.safetensors"))
     (Path(out_dir) / "results.json").write_text(json.dumps(results, indent=1))
     print("done", flush=True)
 
 
 if __name__ == "__main__":  # vLLM may spawn processes that import this module
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:] or ["vllm", "sglang"])
