@@ -25,9 +25,9 @@ WHITE = (255, 255, 255)
 # The Pillow formats vLLM 0.32 opens untrusted media in (vllm/multimodal/image.py); others (EPS, which
 # may run Ghostscript, WMF, the stub drivers) it refuses.
 VLLM_IMAGE_FORMATS = (
-    "AVIF", "BLP", "BMP", "CUR", "DCX", "DDS", "DIB", "FITS", "FLI", "FTEX", "GBR", "GIF", "ICNS", "ICO", "IM",
-    "IMT", "IPTC", "JPEG", "JPEG2000", "MCIDAS", "MSP", "PCD", "PCX", "PIXAR", "PNG", "PPM", "PSD", "QOI", "SGI",
-    "SPIDER", "SUN", "TGA", "TIFF", "WEBP", "XBM", "XPM", "XVTHUMB",
+    "AVIF", "BLP", "BMP", "CUR", "DCX", "DDS", "DIB", "FITS", "FLI", "FTEX", "GBR", "GIF", "ICNS",
+    "ICO", "IM", "IMT", "IPTC", "JPEG", "JPEG2000", "MCIDAS", "MSP", "PCD", "PCX", "PIXAR", "PNG",
+    "PPM", "PSD", "QOI", "SGI", "SPIDER", "SUN", "TGA", "TIFF", "WEBP", "XBM", "XPM", "XVTHUMB",
 )  # fmt: skip
 
 
@@ -61,11 +61,15 @@ def decode_image(
         raise
     except UnidentifiedImageError:
         if formats is not None:
-            raise InvalidItemError("bytes are not an image file of a format vLLM opens (docs/parity.md)") from None
+            raise InvalidItemError(
+                "bytes are not an image file of a format vLLM opens (see docs/parity.md)"
+            ) from None
         raise InvalidItemError("bytes are not an image file of a known format") from None
     except Image.DecompressionBombError:
         limit = min(max_pixels, 2 * Image.MAX_IMAGE_PIXELS)
-        raise InvalidItemError(f"image is over the limit of {limit} pixels (refused while reading its header)") from None
+        raise InvalidItemError(
+            f"image is over the limit of {limit} pixels (refused while reading its header)"
+        ) from None
     except Exception as exc:  # any failure on untrusted bytes is the input's fault, not the server's
         raise InvalidItemError(f"image could not be decoded: {exc.__class__.__name__}: {exc}") from None
 
@@ -73,7 +77,9 @@ def decode_image(
 def _check_size(image: Image.Image, max_pixels: int, max_aspect_ratio: float) -> None:
     width, height = image.size
     if width * height > max_pixels:
-        raise InvalidItemError(f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}")
+        raise InvalidItemError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
+        )
     if width < 1 or height < 1:
         raise InvalidItemError(f"image is {width}x{height}")
     ratio = max(width, height) / min(width, height)

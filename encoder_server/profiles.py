@@ -31,31 +31,32 @@ class PreprocessProfile:
 # The one table of profiles. tests/test_parity.py runs the installed engines' own loaders and processors
 # against these and fails when their pixel values change: update `checked_against` with the new release.
 ENGINE_STACK = ("transformers 5.19.0", "torchvision 0.28.0", "pillow 13.0.0")  # in .venv-engines beside both
+
+
+def _engine_profile(name: str, release: str, *, fused_normalize: bool) -> PreprocessProfile:
+    """An engine's profile: its loader, the torchvision backend it runs, Pillow's refusal as its limit."""
+    return PreprocessProfile(
+        name=name,
+        backend="torchvision",
+        default_max_pixels=ENGINE_MAX_IMAGE_PIXELS,
+        fused_normalize=fused_normalize,
+        checked_against=(release, *ENGINE_STACK),
+    )
+
+
 PROFILES: dict[str, PreprocessProfile] = {
     profile.name: profile
     for profile in (
-        PreprocessProfile(
-            name="vllm",
-            backend="torchvision",
-            default_max_pixels=ENGINE_MAX_IMAGE_PIXELS,
-            fused_normalize=True,
-            checked_against=("vllm 0.32.0", *ENGINE_STACK),
-        ),
-        PreprocessProfile(
-            name="sglang",
-            backend="torchvision",
-            default_max_pixels=ENGINE_MAX_IMAGE_PIXELS,
-            fused_normalize=False,
-            checked_against=("sglang 0.5.23", *ENGINE_STACK),
-        ),
+        _engine_profile("vllm", "vllm 0.32.0", fused_normalize=True),
+        _engine_profile("sglang", "sglang 0.5.23", fused_normalize=False),
         PreprocessProfile(
             name="transformers",
-            backend="torchvision",  # what transformers picks beside torchvision, which the server extra installs
+            backend="torchvision",  # transformers' pick beside torchvision, which the server extra installs
             default_max_pixels=DEFAULT_MAX_IMAGE_PIXELS,
             fused_normalize=False,
             checked_against=("transformers 5.24.0", "torchvision 0.28.0", "pillow 13.0.0"),
         ),
     )
 }
-DEFAULT_PROFILE = "vllm"  # what native Encode's consumers (EncoderReceiver, encoder-gateway, the connector) feed
+DEFAULT_PROFILE = "vllm"  # native Encode's consumers: EncoderReceiver, encoder-gateway, the vLLM connector
 SGLANG_PROFILE = "sglang"  # the SglangEncoder service always follows SGLang's own encoder

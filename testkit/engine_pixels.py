@@ -99,7 +99,11 @@ def main(model_dir: str, out_dir: str, engines: list[str]) -> None:
     images = {**image_set(), **{name: data for name, (data, _) in refused_images().items()}}
     tensors: dict = {}
     results: dict = {
-        "versions": {"transformers": transformers.__version__, "torchvision": torchvision.__version__, "pillow": PIL.__version__},
+        "versions": {
+            "transformers": transformers.__version__,
+            "torchvision": torchvision.__version__,
+            "pillow": PIL.__version__,
+        },
         "refused": {engine: {} for engine in engines},
     }
     for engine in engines:

@@ -83,7 +83,7 @@ def _kinds() -> dict[str, bytes]:
         "png-1bit": _save(grey.convert("1"), "PNG"),
         "webp-lossy": _save(rgb, "WEBP", quality=80),
         "webp-alpha": _save(rgba, "WEBP", quality=80),
-        "gif-animated": _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0),
+        "gif-animated": _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100),
         "bmp": _save(rgb, "BMP"),
         "tiff": _save(rgb, "TIFF"),
     }
@@ -103,7 +103,8 @@ def _png_header_only(width: int, height: int) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 4)) + chunk(b"IEND", b"")
+    body = chunk(b"IDAT", zlib.compress(b"\0" * 4))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + body + chunk(b"IEND", b"")
 
 
 @functools.cache

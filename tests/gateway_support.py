@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,21 @@ def engine_server(model_dir: Path, log_dir: Path, extra_args: Sequence[str] = ()
         pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
     with launch_vllm(model_dir, log_path=log_dir / "vllm.log", extra_args=extra_args) as server:
         yield server
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(engine_url: str, encoders: Sequence[str], **options: Any) -> AsyncIterator[str]:
+    """encoder-gateway on 127.0.0.1 (an OS-chosen port) in front of `engine_url`; yields its URL."""
+    from gateway.app import start
+    from gateway.config import GatewayConfig
+
+    runner, port = await start(
+        GatewayConfig(engine_url=engine_url, encoders=tuple(encoders), host="127.0.0.1", port=0, **options)
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 def zeroed_tower_copy(model_dir: Path, copy_dir: Path) -> Path:

@@ -10,11 +10,17 @@ import json
 import aiohttp
 import pytest
 
-from gateway.app import start
-from gateway.config import GatewayConfig
 from testkit.image_set import image_set, refused_images
 from testkit.servers import running_server
-from tests.gateway_support import chat_request, complete, engine_server, image_part, logprob_gap, zeroed_tower_copy
+from tests.gateway_support import (
+    chat_request,
+    complete,
+    engine_server,
+    image_part,
+    logprob_gap,
+    running_gateway,
+    zeroed_tower_copy,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -65,18 +71,15 @@ async def blind_vllm(reference, encoder, default_model_dir, tmp_path_factory):
         "ec_connector_extra_config": {"encoders": [encoder.url], "fetch_timeout_s": 60},
     }
     log_dir = tmp_path_factory.mktemp("vllm-blind")
-    with engine_server(model_dir, log_dir, extra_args=[*SERVED, "--ec-transfer-config", json.dumps(transfer)]) as server:
+    consumer = [*SERVED, "--ec-transfer-config", json.dumps(transfer)]
+    with engine_server(model_dir, log_dir, extra_args=consumer) as server:
         yield server
 
 
 @pytest.fixture(scope="module", params=["inline", "connector"])
 async def gateway(request, blind_vllm, encoder):
-    config = GatewayConfig(
-        engine_url=blind_vllm.url, encoders=(encoder.url,), host="127.0.0.1", port=0, handoff=request.param
-    )
-    runner, port = await start(config)
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with running_gateway(blind_vllm.url, [encoder.url], handoff=request.param) as url:
+        yield url
 
 
 @pytest.fixture

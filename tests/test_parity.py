@@ -33,7 +33,12 @@ def engine_pixels(default_model_dir, tmp_path_factory):
         pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
     out = tmp_path_factory.mktemp("engine-pixels")
     run = subprocess.run(
-        [str(ENGINES_PYTHON), str(REPO_ROOT / "testkit" / "engine_pixels.py"), str(default_model_dir), str(out)],
+        [
+            str(ENGINES_PYTHON),
+            str(REPO_ROOT / "testkit" / "engine_pixels.py"),
+            str(default_model_dir),
+            str(out),
+        ],
         env=engines_env(),
         capture_output=True,
         text=True,

@@ -36,7 +36,7 @@ def engines_run(script: str, *args: str) -> None:
 
 @pytest.fixture(scope="module")
 def sglang_own(default_model_dir, tmp_path_factory):
-    """SGLang's own preprocessing of every image (pixel values and grid), then the checkpoint's tower on them."""
+    """SGLang's own preprocessing of every image (pixel values and grid), then the checkpoint's tower."""
     from transformers import AutoModelForImageTextToText
 
     if not ENGINES_PYTHON.exists():
@@ -49,7 +49,8 @@ def sglang_own(default_model_dir, tmp_path_factory):
     with torch.inference_mode():
         for name in IMAGES:
             grid = pixels[f"sglang/{name}/grid_thw"].reshape(1, 3)
-            features = model.get_image_features(pixel_values=pixels[f"sglang/{name}/pixel_values"], image_grid_thw=grid)
+            pixel_values = pixels[f"sglang/{name}/pixel_values"]
+            features = model.get_image_features(pixel_values=pixel_values, image_grid_thw=grid)
             embeddings[name] = (features.pooler_output[0], grid)
     return embeddings
 

@@ -1,4 +1,4 @@
-"""The checkpoint's own image processor, loaded through transformers per backend, and its cache fingerprint."""
+"""The checkpoint's own image processor, loaded through transformers per backend, and its fingerprint."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ DEFAULT_BACKEND = "torchvision"  # what transformers picks beside torchvision, a
 
 
 class ImageProcessors:
-    """The checkpoint's image processor for each backend ("torchvision", "pil"), each loaded once, on first use.
+    """The checkpoint's image processor per backend ("torchvision", "pil"), each loaded once, on first use.
 
     The two backends agree on the 28 px grid and differ off it (their resizes differ), so the backend
     is a profile's choice (encoder_server/profiles.py), never left to what happens to be installed.
@@ -43,8 +43,9 @@ def fused_normalize(processor, raw_pixel_values: torch.Tensor) -> torch.Tensor:
     settings; the processor's rescale-then-normalize gives values a last bit apart."""
     rescale = processor.rescale_factor if processor.do_rescale else 1.0
     channels = len(processor.image_mean)
-    mean = torch.tensor(processor.image_mean if processor.do_normalize else [0.0] * channels, dtype=torch.float32)
-    std = torch.tensor(processor.image_std if processor.do_normalize else [1.0] * channels, dtype=torch.float32)
+    normalize = processor.do_normalize
+    mean = torch.tensor(processor.image_mean if normalize else [0.0] * channels, dtype=torch.float32)
+    std = torch.tensor(processor.image_std if normalize else [1.0] * channels, dtype=torch.float32)
     patches, size = raw_pixel_values.shape
     by_channel = raw_pixel_values.reshape(patches, channels, size // channels)
     normalized = by_channel * (rescale / std).view(1, channels, 1) + (-mean / std).view(1, channels, 1)
