@@ -48,7 +48,7 @@ async def reference(default_model_dir, tmp_path_factory):
                 try:
                     async with session.post(f"{server.url}/v1/chat/completions", json=request(data)) as reply:
                         refusals[name] = f"{reply.status}: {await reply.text()}"
-                except aiohttp.ClientError as exc:  # vLLM 0.32 drops the connection on a decompression bomb
+                except aiohttp.ClientError as exc:  # a decompression bomb is a 500 from vLLM 0.32; seen dropped
                     refusals[name] = f"connection lost: {exc}"
     return answers, refusals
 
