@@ -74,6 +74,7 @@ def test_profile_pixel_values_equal_the_engines_own(engine_pixels, encoder, engi
     assert list(prepared.grid_thw) == tensors[f"{engine}/{name}/grid_thw"].flatten().tolist()
     assert prepared.pixel_values.shape == want.shape
     difference = (prepared.pixel_values - want).abs().max().item()
+    print(f"\n{engine} {name}: grid {list(prepared.grid_thw)}, largest pixel difference {difference:.1e}")
     assert difference <= PIXEL_TOLERANCE, f"{engine} {name}: pixel values differ by up to {difference}"
 
 

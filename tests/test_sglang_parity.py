@@ -86,4 +86,5 @@ def test_sglang_receives_what_sglangs_own_encoder_computes(sglang_own, sglang_re
     want, want_grid = sglang_own[name]
     assert torch.equal(grid.reshape(-1, 3), want_grid)
     assert embedding.dtype == torch.float32 and embedding.shape == want.shape
+    print(f"\n{name}: largest difference {(embedding - want).abs().max().item():.1e}")
     torch.testing.assert_close(embedding, want, rtol=1e-5, atol=1e-5)
