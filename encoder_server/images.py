@@ -43,14 +43,15 @@ def decode_image(
     Animated images (GIF, APNG, WebP) give their first frame.
 
     Raises InvalidItemError for empty, truncated, oversized, too thin or non-image input, and for a
-    format the loader's engine refuses; the size and shape checks read only the file's header.
+    format outside vLLM's allowlist; the size and shape checks read only the file's header.
     `background` is what transparency is composited on, where the loader composites it.
     """
     if not data:
         raise InvalidItemError("empty image bytes")
-    formats = VLLM_IMAGE_FORMATS if loader == "vllm" else None
     try:
-        image = Image.open(io.BytesIO(data), formats=formats)
+        # Every loader opens vLLM's audited formats only: SGLang and transformers would also open EPS,
+        # which runs Ghostscript where it is installed, and formats that need external handlers.
+        image = Image.open(io.BytesIO(data), formats=VLLM_IMAGE_FORMATS)
         _check_size(image, max_pixels, max_aspect_ratio)
         rgb = _LOADERS[loader](image, background)
         # The loader alone decides what transparency means: transformers 5.24's processors composite a
@@ -60,7 +61,7 @@ def decode_image(
     except InvalidItemError:
         raise
     except UnidentifiedImageError:
-        if formats is not None:
+        if loader == "vllm":
             raise InvalidItemError(
                 "bytes are not an image file of a format vLLM opens (see docs/parity.md)"
             ) from None

@@ -49,10 +49,14 @@ def test_an_rgb_transparency_key_is_left_alone_by_the_engines_and_no_key_reaches
     assert (decoded("png-rgb-trns", "transformers")[-1, 0] == 255).all()
 
 
-def test_vllm_refuses_formats_outside_its_allowlist_the_others_only_what_pillow_cannot_read():
+def test_every_loader_refuses_formats_outside_vllms_allowlist():
+    """EPS would run Ghostscript under SGLang's and transformers' own loading where it is installed."""
     eps, _ = refused_images()["eps"]
     with pytest.raises(InvalidItemError, match="not an image file of a format vLLM opens"):
         decode_image(eps, loader="vllm")
+    for loader in ("sglang", "transformers"):
+        with pytest.raises(InvalidItemError, match="not an image file of a known format"):
+            decode_image(eps, loader=loader)
 
 
 def test_the_profile_limits_follow_their_engines():
