@@ -12,8 +12,9 @@ from encoder_common.sources import SourcePolicy
 from protos import encoder_pb2 as pb
 
 from .batcher import BatchingConfig
-from .images import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_IMAGE_PIXELS
+from .images import DEFAULT_MAX_ASPECT_RATIO
 from .leases import LeaseConfig
+from .profiles import DEFAULT_PROFILE, PROFILES
 from .sglang.config import SglangConfig
 from .shm import ShmConfig
 from .streams import StreamLimits
@@ -38,6 +39,13 @@ def port_or_off(value: str) -> int | None:
     return port
 
 
+def pixels_or_engine(value: str) -> int | None:
+    """A pixel count, or 'engine' (None): the limit of the engine the preprocessing profile follows."""
+    if value.strip().lower() == "engine":
+        return None
+    return int(value)
+
+
 def dtype_flag(help: str) -> dict:
     """The metadata of a dtype setting, given on the command line by name."""
     return flag(help, choices=DTYPE_CHOICES)
@@ -54,8 +62,21 @@ class ServerConfig:
     preprocess_workers: int = field(default=4, metadata=flag("threads decoding and preprocessing images"))
     max_items_per_request: int = field(default=64, metadata=flag("items one Encode call may carry"))
     max_request_bytes: int = field(default=256 << 20, metadata=flag("largest Encode request accepted"))
-    max_image_pixels: int = field(
-        default=DEFAULT_MAX_IMAGE_PIXELS, metadata=flag("refuse larger images before decoding")
+    preprocess_profile: str = field(
+        default=DEFAULT_PROFILE,
+        metadata=flag(
+            "whose image loading and processor backend Encode reproduces (docs/parity.md); "
+            "the SglangEncoder service always follows sglang",
+            choices=tuple(PROFILES),
+        ),
+    )
+    max_image_pixels: int | None = field(  # None: the profile's engine's own limit
+        default=None,
+        metadata=flag(
+            "refuse larger images before decoding ('engine': the profile's engine's own limit)",
+            type=pixels_or_engine,
+            shown=lambda limit: "engine" if limit is None else str(limit),
+        ),
     )
     max_aspect_ratio: float = field(
         default=DEFAULT_MAX_ASPECT_RATIO, metadata=flag("refuse images thinner than 1:N before decoding")

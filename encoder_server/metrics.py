@@ -21,6 +21,7 @@ from protos import encoder_pb2 as pb
 from encoder_common.errors import outcome_for, status_for
 
 from .models.base import ImageEmbedding, PreparedImage, VisionEncoder
+from .profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
 
 if TYPE_CHECKING:
     from .shm import ShmSegments
@@ -176,8 +177,8 @@ class MeteredEncoder(VisionEncoder):
         self.spec = encoder.spec
         self.metrics = metrics
 
-    def preprocess(self, image) -> PreparedImage:
-        return self.inner.preprocess(image)
+    def preprocess(self, image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]) -> PreparedImage:
+        return self.inner.preprocess(image, profile)
 
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
         started = time.perf_counter()

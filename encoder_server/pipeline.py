@@ -18,8 +18,8 @@ from .cache import EmbeddingCache, cache_namespace, content_key
 from .payload import ItemPayload
 from .config import ServerConfig
 from .digests import DigestMemo
-from .images import decode_image
 from .models import PreparedImage, VisionEncoder
+from .profiles import PROFILES, PreprocessProfile
 from .streams import StreamCharge
 
 # Items up to this size are read and hashed on the event loop (sha256 runs at 0.4-1.6 GB/s here: at
@@ -41,15 +41,18 @@ class ItemPipeline:
         cache: EmbeddingCache | None = None,
         *,
         keys: bool = False,
+        profile: PreprocessProfile | None = None,
     ):
-        """`keys`: compute each item's content key even with the cache off (leases name items by it)."""
+        """`keys`: compute each item's content key even with the cache off (leases name items by it).
+        `profile`: how bytes become pixel values; None: the config's `preprocess_profile`."""
+        self.profile = profile or PROFILES[config.preprocess_profile]
         self.encoder = encoder
         self.batcher = batcher
         self.preprocess_pool = preprocess_pool
         self.config = config
         self.sources = SourceReader(config.sources, user_agent="encoder-server")
         self.cache = cache
-        self.namespace = cache_namespace(encoder.spec) if keys or cache is not None else None
+        self.namespace = cache_namespace(encoder.spec, self.profile) if keys or cache is not None else None
         self.digests = DigestMemo()
         self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
 
@@ -151,10 +154,11 @@ class ItemPipeline:
         return ItemPayload.build(prepared, encoded, preprocess_ms)
 
     def _prepare(self, data: bytes) -> PreparedImage:
-        """Bytes to pixel values, on a preprocessing thread."""
-        image = decode_image(data, max_pixels=self.config.max_image_pixels, max_aspect_ratio=self.config.max_aspect_ratio)
+        """Bytes to pixel values as the profile's engine makes them, on a preprocessing thread."""
+        config = self.config
+        image = self.profile.decode(data, max_pixels=config.max_image_pixels, max_aspect_ratio=config.max_aspect_ratio)
         try:
-            return self.encoder.preprocess(image)
+            return self.encoder.preprocess(image, self.profile)
         except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
             raise InvalidItemError(f"the image processor refused it: {exc}") from None
 

@@ -198,13 +198,16 @@ class InProcessBackend:
         return await asyncio.to_thread(self._encode, images)
 
     def _encode(self, images: Sequence[bytes]) -> list[ItemResult | InvalidItemError]:
-        from encoder_server.images import decode_image
+        from encoder_server.images import DEFAULT_MAX_ASPECT_RATIO
+        from encoder_server.profiles import DEFAULT_PROFILE, PROFILES
 
+        profile = PROFILES[DEFAULT_PROFILE]  # as a server with default flags encodes the bytes
         outputs: list[ItemResult | InvalidItemError | None] = [None] * len(images)
         prepared = {}
         for i, data in enumerate(images):
             try:
-                prepared[i] = self.encoder.preprocess(decode_image(data))
+                image = profile.decode(data, max_pixels=None, max_aspect_ratio=DEFAULT_MAX_ASPECT_RATIO)
+                prepared[i] = self.encoder.preprocess(image, profile)
             except InvalidItemError as exc:
                 outputs[i] = exc
         if prepared:

@@ -27,6 +27,7 @@ from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder
 from .models.loading import has_random_weights
 from .pipeline import ItemPipeline
+from .profiles import PROFILES, SGLANG_PROFILE
 from .servicer import EncoderServicer, method_handlers, model_info
 from .sglang import servicer as sglang_servicer
 from .shm import ShmSegments
@@ -116,7 +117,7 @@ class EncoderServer:
         config = self.config
         self._pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
         if config.cache_bytes:
-            self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec))
+            self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec, PROFILES[config.preprocess_profile]))
             self.metrics.watch_cache(self.cache.stats)
         if self.shm is not None:
             self.metrics.watch_shm(self.shm)
@@ -136,7 +137,11 @@ class EncoderServer:
         gated = self.gate.behind(server)
         gated.add_generic_rpc_handlers([method_handlers(servicer)])
         if config.sglang.serve:
-            self.sglang = sglang_servicer.SglangEncoderServicer(pipeline, config, self.metrics, self.streams)
+            # SGLang's contract gets what SGLang's own encoder makes of the bytes (its own cache keys).
+            sglang_pipeline = ItemPipeline(
+                self.encoder, self._batcher, self._pool, config, self.cache, profile=PROFILES[SGLANG_PROFILE]
+            )
+            self.sglang = sglang_servicer.SglangEncoderServicer(sglang_pipeline, config, self.metrics, self.streams)
             gated.add_generic_rpc_handlers([sglang_servicer.method_handlers(self.sglang)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)  # probes answer while draining
         names = (*self._services(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

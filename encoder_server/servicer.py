@@ -63,6 +63,7 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
         extra_tokens_per_item=spec.extra_tokens_per_item,
         lease_max_bytes=config.leases.max_bytes,
         lease_max_ttl_ms=int(config.leases.max_ttl_s * 1000),
+        preprocess_profile=config.preprocess_profile,
     )
 
 

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from encoder_server.models import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
+from encoder_server.profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
 
 GATE_TIMEOUT_S = 30.0
 
@@ -102,10 +103,10 @@ class EncoderDouble(VisionEncoder):
             self.preprocessed = 0
             self.batches.clear()
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
+    def preprocess(self, image: Image.Image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]) -> PreparedImage:
         with self._lock:
             self.preprocessed += 1
-        prepared = self.inner.preprocess(image) if self.inner is not None else self._made_up_preprocess(image)
+        prepared = self.inner.preprocess(image, profile) if self.inner is not None else self._made_up_preprocess(image)
         if image.width == self.miscount_width:
             return dataclasses.replace(prepared, num_tokens=prepared.num_tokens + 1)
         return prepared

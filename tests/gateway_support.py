@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +18,51 @@ from testkit.vllm_server import ENGINES_PYTHON, VllmServer, launch_vllm
 
 
 @contextlib.contextmanager
-def engine_server(model_dir: Path, log_dir: Path) -> Iterator[VllmServer]:
+def engine_server(model_dir: Path, log_dir: Path, extra_args: Sequence[str] = ()) -> Iterator[VllmServer]:
     """vLLM on `model_dir`; fails (never skips) without .venv-engines, since CI must run these tests."""
     if not ENGINES_PYTHON.exists():
         pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
-    with launch_vllm(model_dir, log_path=log_dir / "vllm.log") as server:
+    with launch_vllm(model_dir, log_path=log_dir / "vllm.log", extra_args=extra_args) as server:
         yield server
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(engine_url: str, encoders: Sequence[str], **options: Any) -> AsyncIterator[str]:
+    """encoder-gateway on 127.0.0.1 (an OS-chosen port) in front of `engine_url`; yields its URL."""
+    from gateway.app import start
+    from gateway.config import GatewayConfig
+
+    runner, port = await start(
+        GatewayConfig(engine_url=engine_url, encoders=tuple(encoders), host="127.0.0.1", port=0, **options)
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def zeroed_tower_copy(model_dir: Path, copy_dir: Path) -> Path:
+    """A copy of the checkpoint with every vision-tower weight zeroed: an engine on it cannot see, so
+    it answers as vLLM alone does only when the embeddings come from elsewhere."""
+    import shutil
+
+    import torch
+
+    from testkit.checkpoints import rewrite_tensors
+
+    shutil.copytree(model_dir, copy_dir)
+    zeroed = []
+
+    def zero_visual(tensors):
+        for name in tensors:
+            if "visual" in name:
+                tensors[name] = torch.zeros_like(tensors[name])
+                zeroed.append(name)
+        return tensors
+
+    rewrite_tensors(copy_dir, zero_visual)
+    assert zeroed, "the checkpoint has no vision tower weights to zero"
+    return copy_dir
 
 
 def images(sizes: list[tuple[int, int]], seed: int = 0) -> list[bytes]:

@@ -12,6 +12,7 @@ import torch
 
 from encoder_server import digests
 from encoder_server.cache import EmbeddingCache, cache_namespace
+from encoder_server.profiles import PROFILES
 from encoder_server.digests import DigestMemo
 from encoder_server.payload import ItemPayload
 from encoder_server.cli import build_parser
@@ -65,20 +66,23 @@ def test_payload_chunks_are_framed_once_and_shared_by_callers_streaming_at_once(
     assert payload_bytes == b"".join(part.numpy().tobytes() for part in parts)
 
 
-def test_keys_change_with_weights_preprocessing_and_dtype_but_not_otherwise(default_model_dir):
+def test_keys_change_with_weights_preprocessing_profile_and_dtype_but_not_otherwise(default_model_dir):
     spec = load_vision_encoder(default_model_dir, "cpu", torch.float32).spec
+    vllm = PROFILES["vllm"]
     digest = hashlib.sha256(image_bytes(8, 8)).digest()
-    base = EmbeddingCache(1, cache_namespace(spec)).key(digest)
+    base = EmbeddingCache(1, cache_namespace(spec, vllm)).key(digest)
     assert len(base) == 32
-    assert EmbeddingCache(1, cache_namespace(dataclasses.replace(spec))).key(digest) == base
+    assert EmbeddingCache(1, cache_namespace(dataclasses.replace(spec), vllm)).key(digest) == base
     for change in (
         {"weights_fingerprint": "0" * 64},
         {"preprocess_fingerprint": "0" * 64},
         {"dtype": torch.bfloat16},
     ):
-        assert EmbeddingCache(1, cache_namespace(dataclasses.replace(spec, **change))).key(digest) != base, change
+        assert EmbeddingCache(1, cache_namespace(dataclasses.replace(spec, **change), vllm)).key(digest) != base, change
+    keys = {EmbeddingCache(1, cache_namespace(spec, profile)).key(digest) for profile in PROFILES.values()}
+    assert len(keys) == len(PROFILES)  # two profiles never share an embedding
     other_image = hashlib.sha256(image_bytes(8, 8, seed=1)).digest()
-    assert EmbeddingCache(1, cache_namespace(spec)).key(other_image) != base
+    assert EmbeddingCache(1, cache_namespace(spec, vllm)).key(other_image) != base
     with pytest.raises(ValueError, match="32 bytes"):
         EmbeddingCache(1, NAMESPACE).key(digest[:16])
 

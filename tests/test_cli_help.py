@@ -16,7 +16,7 @@ import torch
 from encoder_common.env_flags import comma_separated, config_from_args
 from encoder_server import cli
 from encoder_server.batcher import BatchingConfig
-from encoder_server.config import ServerConfig, port_or_off
+from encoder_server.config import ServerConfig, pixels_or_engine, port_or_off
 from encoder_server.shm import ShmConfig
 from encoder_common.sources import SourcePolicy, networks, root_paths
 from encoder_server.tls import TlsConfig
@@ -92,6 +92,8 @@ def sample_value(action: argparse.Action) -> tuple[str, object]:
         return "2.5", 2.5
     if action.type is port_or_off:
         return "9100", 9100
+    if action.type is pixels_or_engine:
+        return "1000000", 1000000
     if action.type is Path:
         return "/from-env", Path("/from-env")
     if action.type is comma_separated:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from encoder_server.images import decode_image
+from encoder_server.profiles import PROFILES
 from encoder_server.models import load_vision_encoder
 from encoder_server.models.kernels import (
     PackedLinear,
@@ -150,7 +151,7 @@ def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, che
         checkpoints[case], images, dtype=torch.bfloat16, adapt_model=_engine_kernels
     )
     encoder = load_vision_encoder(checkpoints[case], "cpu", torch.bfloat16)
-    (output,) = encoder.encode([encoder.preprocess(decode_image(images[0]))])
+    (output,) = encoder.encode([encoder.preprocess(decode_image(images[0]), PROFILES["transformers"])])
     assert output.embedding.dtype == torch.bfloat16
     assert torch.equal(output.embedding, features.pooler_output[0])
     bf16_step = 2.0**-8 * stock.pooler_output[0].float().abs().max().item()

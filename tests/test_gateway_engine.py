@@ -9,12 +9,18 @@ import re
 import aiohttp
 import pytest
 
-from gateway.app import start
-from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part
 from receiver import EncoderReceiver
 from testkit.servers import running_server
-from tests.gateway_support import chat_request, complete, engine_server, image_part, images, logprob_gap
+from tests.gateway_support import (
+    chat_request,
+    complete,
+    engine_server,
+    image_part,
+    images,
+    logprob_gap,
+    running_gateway,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -36,10 +42,8 @@ async def encoders(default_model_dir):
 
 @pytest.fixture(scope="module")
 async def gateway(vllm, encoders):
-    config = GatewayConfig(engine_url=vllm.url, encoders=tuple(encoders), host="127.0.0.1", port=0)
-    runner, port = await start(config)
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with running_gateway(vllm.url, encoders) as url:
+        yield url
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""In-process prefill: vLLM's `LLM.generate` fed by `gateway.handoff.multi_modal_data` gives the same greedy
-tokens as `LLM.generate` on the raw images (the script runs in .venv-engines; the encoder server in .venv)."""
+"""In-process prefill: vLLM's `LLM.generate` fed by `gateway.handoff.multi_modal_data` gives, for every image
+of the parity set (testkit/image_set.py), the same greedy tokens as `LLM.generate` on the raw image as vLLM's
+own loader makes it of the same bytes (the script runs in .venv-engines; the encoder server in .venv)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import subprocess
 import pytest
 
 from testkit import REPO_ROOT
-from testkit.images import image_bytes
+from testkit.image_set import image_set
 from testkit.launcher import launch_server
 from testkit.vllm_server import ENGINES_PYTHON, engines_env
 
@@ -18,9 +19,9 @@ pytestmark = pytest.mark.engine
 
 def test_llm_generate_with_helper_inputs_equals_raw_images(default_model_dir, tmp_path):
     paths = []
-    for i, (w, h) in enumerate([(112, 84), (224, 196)]):
-        paths.append(tmp_path / f"image{i}.png")
-        paths[-1].write_bytes(image_bytes(w, h, seed=90 + i))
+    for name, data in image_set().items():
+        paths.append(tmp_path / name)
+        paths[-1].write_bytes(data)
     with launch_server(default_model_dir, "--dtype", "float32", log_dir=tmp_path) as encoder:
         run = subprocess.run(
             [
@@ -39,8 +40,9 @@ def test_llm_generate_with_helper_inputs_equals_raw_images(default_model_dir, tm
     results = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert results, run.stdout[-5000:] + run.stderr[-5000:]
     report = json.loads(results[-1].removeprefix("RESULT "))
-    print(
-        f"\nLLM.generate: ids {report['raw_ids']}, largest logprob difference {report['largest_difference']:.2e}"
-    )
-    assert report["embedded_ids"] == report["raw_ids"]
-    assert report["largest_difference"] <= 1e-4
+    assert set(report) == set(image_set())
+    for name, outcome in report.items():
+        print(f"\n{name}: ids {outcome['raw_ids']}, largest logprob difference {outcome['largest_difference']:.2e}")
+    for name, outcome in report.items():
+        assert outcome["embedded_ids"] == outcome["raw_ids"], name
+        assert outcome["largest_difference"] <= 1e-4, name

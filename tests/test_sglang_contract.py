@@ -192,7 +192,8 @@ async def test_zmq_to_scheduler_waits_for_every_rank_then_pushes_to_each(stub):
 
 
 async def test_sglang_and_native_calls_share_forwards_and_the_cache(default_model_dir, pull):
-    """Items of SGLang calls go through the native path: one batcher, one embedding cache."""
+    """Items of SGLang calls go through the native path: one batcher, one embedding cache (under the
+    sglang profile's keys)."""
     socket, port = pull
     gated = EncoderDouble(load_vision_encoder(default_model_dir, "cpu", torch.float32))
     async with running_server(default_model_dir, encoder=gated) as server:
@@ -224,11 +225,15 @@ async def test_sglang_and_native_calls_share_forwards_and_the_cache(default_mode
             await asyncio.gather(first, *calls)
             assert gated.batches == [1, 2]  # the SGLang item rode in the native call's forward
             await socket.recv_multipart()
-            # The same image again, through the other contract: a cache hit, no forward.
-            await native_call(image_bytes(50, 50, seed=3))
-            await sglang_call(image_bytes(40, 40, seed=2), "s2")
+            # The same image again through the same contract: a cache hit, no forward.
+            await native_call(image_bytes(40, 40, seed=2))
+            await sglang_call(image_bytes(50, 50, seed=3), "s2")
             assert gated.batches == [1, 2]
             assert server.cache.hits == 2
+            # Through the other contract it is computed again: each follows its own engine's
+            # preprocessing (docs/parity.md), so their embeddings are kept apart.
+            await native_call(image_bytes(50, 50, seed=3))
+            assert gated.batches == [1, 2, 1]
 
 
 async def test_receive_urls_registered_before_or_after_the_encode_that_waits_for_them():

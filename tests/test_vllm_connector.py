@@ -7,23 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 
 import aiohttp
 import pytest
-import torch
 
 from encoder_server.leases import LeaseConfig
 from gateway.app import start
 from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part, leased_part
 from receiver import EncoderReceiver
-from testkit.checkpoints import rewrite_tensors
 from testkit.launcher import launch_server
 from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
-from tests.gateway_support import chat_request, complete, image_part, images, logprob_gap
+from tests.gateway_support import chat_request, complete, image_part, images, logprob_gap, zeroed_tower_copy
 
 pytestmark = pytest.mark.engine
 
@@ -52,20 +49,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def zeroed_tower_model(default_model_dir, tmp_path_factory):
     """The same checkpoint with every vision-tower weight zeroed: a tower that ran would answer wrongly."""
-    model_dir = tmp_path_factory.mktemp("zeroed-tower") / "model"
-    shutil.copytree(default_model_dir, model_dir)
-    zeroed = []
-
-    def zero_visual(tensors):
-        for name in tensors:
-            if "visual" in name:
-                tensors[name] = torch.zeros_like(tensors[name])
-                zeroed.append(name)
-        return tensors
-
-    rewrite_tensors(model_dir, zero_visual)
-    assert zeroed, "the checkpoint has no vision tower weights to zero"
-    return model_dir
+    return zeroed_tower_copy(default_model_dir, tmp_path_factory.mktemp("zeroed-tower") / "model")
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from ..profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
@@ -58,8 +60,9 @@ class VisionEncoder(abc.ABC):
     spec: ModelSpec
 
     @abc.abstractmethod
-    def preprocess(self, image: Image.Image) -> PreparedImage:
-        """Runs the checkpoint's image processor on one RGB image."""
+    def preprocess(self, image: Image.Image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]) -> PreparedImage:
+        """Runs the checkpoint's image processor on one RGB image as the profile's engine runs it
+        (its backend, and where it normalizes)."""
 
     @abc.abstractmethod
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:

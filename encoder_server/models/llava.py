@@ -20,7 +20,8 @@ from encoder_common.errors import TokenCountMismatchError
 
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from .loading import load_vision_module, settings_fingerprint
-from .processors import load_image_processor, processor_fingerprint
+from ..profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
+from .processors import ImageProcessors, processor_fingerprint
 
 # llava-hf checkpoints store `vision_tower.vision_model.*` and `multi_modal_projector.*`;
 # transformers 5.x saves `vision_tower.*` (it dropped the CLIP wrapper's `vision_model.` level)
@@ -68,7 +69,7 @@ class LlavaVisionEncoder(VisionEncoder):
         self.model, weights = load_vision_module(
             lambda: LlavaVision(config, dtype), model_dir, LLAVA_PREFIXES, device, dtype
         )
-        self.processor = load_image_processor(model_dir)
+        self.processors = ImageProcessors(model_dir)
         vision_config = config.vision_config
         self.patch_size = vision_config.patch_size
         self.extra_tokens = 0 if config.vision_feature_select_strategy == "default" else 1
@@ -91,12 +92,13 @@ class LlavaVisionEncoder(VisionEncoder):
                     "projector_hidden_act": config.projector_hidden_act,
                 },
             ),
-            preprocess_fingerprint=processor_fingerprint(self.processor),
+            preprocess_fingerprint=processor_fingerprint(self.processors.default),
             extra_tokens_per_item=self.extra_tokens,
         )
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
-        pixel_values = self.processor(images=[image], return_tensors="pt")["pixel_values"]
+    def preprocess(self, image: Image.Image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]) -> PreparedImage:
+        # vLLM normalizes LLaVA's pixels in its processor, not on the device: no fused step here.
+        pixel_values = self.processors[profile.backend](images=[image], return_tensors="pt")["pixel_values"]
         rows, columns = (int(side) // self.patch_size for side in pixel_values.shape[-2:])
         return PreparedImage(
             pixel_values=pixel_values,

@@ -14,7 +14,8 @@ from encoder_common.errors import TokenCountMismatchError
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
 from .kernels import use_engine_kernels
 from .loading import CheckpointError, load_vision_module
-from .processors import load_image_processor, processor_fingerprint
+from ..profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
+from .processors import ImageProcessors, fused_normalize, processor_fingerprint
 
 # transformers 5.x saves `visual.*` for Qwen2/2.5-VL and `model.visual.*` for Qwen3-VL; hub
 # checkpoints of each family use either.
@@ -35,8 +36,8 @@ class QwenVisionEncoder(VisionEncoder):
             dtype,
         )
         use_engine_kernels(self.tower)  # what vLLM runs for the same weights: see kernels.py
-        self.processor = load_image_processor(model_dir)
-        _check_processor_matches_tower(self.processor, vision_config, model_dir)
+        self.processors = ImageProcessors(model_dir)
+        _check_processor_matches_tower(self.processors.default, vision_config, model_dir)
         self.merge_size = vision_config.spatial_merge_size
         self.spec = ModelSpec(
             family=config.model_type.removesuffix("_moe"),  # a MoE language model does not change the tower
@@ -49,7 +50,7 @@ class QwenVisionEncoder(VisionEncoder):
             temporal_patch_size=vision_config.temporal_patch_size,
             num_deepstack_layers=len(getattr(vision_config, "deepstack_visual_indexes", None) or ()),
             weights_fingerprint=fingerprint,
-            preprocess_fingerprint=processor_fingerprint(self.processor),
+            preprocess_fingerprint=processor_fingerprint(self.processors.default),
         )
 
     @staticmethod
@@ -64,14 +65,20 @@ class QwenVisionEncoder(VisionEncoder):
 
         return Qwen2_5_VisionTransformerPretrainedModel
 
-    def preprocess(self, image: Image.Image) -> PreparedImage:
-        out = self.processor(images=[image], return_tensors="pt")
+    def preprocess(self, image: Image.Image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]) -> PreparedImage:
+        processor = self.processors[profile.backend]
+        if profile.fused_normalize:
+            out = processor(images=[image], return_tensors="pt", do_rescale=False, do_normalize=False)
+            pixel_values = fused_normalize(processor, out["pixel_values"])
+        else:
+            out = processor(images=[image], return_tensors="pt")
+            pixel_values = out["pixel_values"]
         t, h, w = (int(x) for x in out["image_grid_thw"][0])
         return PreparedImage(
-            pixel_values=out["pixel_values"],
+            pixel_values=pixel_values,
             grid_thw=(t, h, w),
             num_tokens=t * h * w // self.merge_size**2,
-            num_patches=int(out["pixel_values"].shape[0]),
+            num_patches=int(pixel_values.shape[0]),
         )
 
     def forward(self, batch: Sequence[PreparedImage]):
