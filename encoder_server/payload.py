@@ -1,8 +1,14 @@
 """An item's response as the server sends it: its ItemHeader and its payload framed into chunk
-messages once, kept so that every caller (and every cache hit) sends the same bytes objects."""
+messages once, kept so that every caller (and every cache hit) sends the same bytes objects.
+
+An item's first chunk is small (FIRST_CHUNK_BYTES): a receiver that never reads takes the header and
+nothing more into its 64 KiB HTTP/2 window, so its stalled stream leaves that small message inside
+gRPC instead of a whole 1 MiB chunk (see streams.py); receivers that read get 1 MiB chunks after it.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -12,6 +18,18 @@ from protos import wire
 
 from .batcher import TimedEmbedding
 from .models import PreparedImage
+
+# Over the 64 KiB HTTP/2 window a gRPC client starts with, once the header is in it: a receiver that
+# never reads stalls on this message.
+FIRST_CHUNK_BYTES = 64 << 10
+
+
+def _pieces(parts: Sequence[torch.Tensor]) -> list[memoryview]:
+    """The payload's bytes as framed: the first FIRST_CHUNK_BYTES apart, then each part in full chunks."""
+    views = [wire.tensor_bytes(part) for part in parts]
+    if views and len(views[0]) > FIRST_CHUNK_BYTES:
+        views[0:1] = [views[0][:FIRST_CHUNK_BYTES], views[0][FIRST_CHUNK_BYTES:]]
+    return views
 
 
 class ItemPayload:
@@ -24,9 +42,10 @@ class ItemPayload:
 
     def __init__(self, header: pb.ItemHeader, parts: Sequence[torch.Tensor]):
         self.header = header
-        self.nbytes = wire.framed_size([part.numel() * part.element_size() for part in parts])
+        pieces = _pieces(parts)
+        self.nbytes = wire.framed_size([len(piece) for piece in pieces])
         self._parts: list[torch.Tensor] | None = list(parts)  # held until every chunk is framed
-        self._framing: Iterator[bytes] | None = wire.frame_parts(self._parts)
+        self._framing: Iterator[bytes] | None = itertools.chain.from_iterable(map(wire.chunk_messages, pieces))
         self._chunks: list[bytes] = []
 
     def payload_views(self) -> list[memoryview]:
@@ -46,6 +65,13 @@ class ItemPayload:
                 self._chunks.append(chunk)
             yield self._chunks[index]
             index += 1
+
+    def finish_framing(self) -> None:
+        """Frames the chunks no caller has reached yet and lets the tensors go: a payload whose stream
+        stopped part-way would otherwise hold both its tensors and its first chunks."""
+        if self._framing is not None:
+            self._chunks.extend(self._framing)
+            self._framing = self._parts = None
 
     @classmethod
     def build(cls, prepared: PreparedImage, encoded: TimedEmbedding, preprocess_ms: float) -> ItemPayload:

@@ -54,8 +54,8 @@ class ItemPipeline:
 
     async def payloads(
         self, items: Sequence[pb.ImageItem], charge: StreamCharge
-    ) -> AsyncIterator[tuple[pb.ImageItem, ItemPayload, bool, bytes | None]]:
-        """Each item with its payload, whether that came from the cache, and its content key (None when
+    ) -> AsyncIterator[tuple[int, ItemPayload, bool, bytes | None]]:
+        """Each item's index with its payload, whether that came from the cache, and its content key (None when
         neither the cache nor `keys` wants one), in the items' order; each payload charged to the
         call's stream budget (the caller releases it once sent).
 
@@ -69,7 +69,7 @@ class ItemPipeline:
         self._preprocessing += len(items)
         if len(items) == 1:  # a lone item needs no task of its own: one turn of the event loop less
             payload, cache_hit, key = await self._item_payload(items[0], charge)
-            yield items[0], payload, cache_hit, key
+            yield items[0].index, payload, cache_hit, key
             return
         # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
         # as its bytes are read, in tasks started in the items' order; they are still yielded in order.
@@ -79,7 +79,7 @@ class ItemPipeline:
         try:
             for item, task in zip(items, tasks):
                 payload, cache_hit, key = await task
-                yield item, payload, cache_hit, key
+                yield item.index, payload, cache_hit, key
         finally:
             for task in tasks:
                 task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
