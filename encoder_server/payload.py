@@ -1,9 +1,9 @@
 """An item's response as the server sends it: its ItemHeader and its payload framed into chunk
 messages once, kept so that every caller (and every cache hit) sends the same bytes objects.
 
-An item's first chunk is small (FIRST_CHUNK_BYTES): a receiver that never reads takes the header and
-nothing more into its 64 KiB HTTP/2 window, so its stalled stream leaves that small message inside
-gRPC instead of a whole 1 MiB chunk (see streams.py); receivers that read get 1 MiB chunks after it.
+An item's first chunks are small (FIRST_CHUNKS_BYTES): a receiver that never reads stalls on the
+second, so its stalled stream leaves a 64 KiB message inside gRPC instead of a whole 1 MiB chunk
+(see streams.py); receivers that read get 1 MiB chunks after them.
 """
 
 from __future__ import annotations
@@ -19,17 +19,23 @@ from protos import wire
 from .batcher import TimedEmbedding
 from .models import PreparedImage
 
-# Over the 64 KiB HTTP/2 window a gRPC client starts with, once the header is in it: a receiver that
-# never reads stalls on this message.
-FIRST_CHUNK_BYTES = 64 << 10
+# An item's first chunks, before 1 MiB ones. The header and the first fit the 64 KiB HTTP/2 window a
+# gRPC client starts with; the second does not, so a receiver that never reads stalls on it. (A client
+# that has read the header may open its window for a message it has partly received: a first chunk
+# of 64 KiB was let through that way, a second one is not.)
+FIRST_CHUNKS_BYTES = (32 << 10, 64 << 10)
 
 
 def _pieces(parts: Sequence[torch.Tensor]) -> list[memoryview]:
-    """The payload's bytes as framed: the first FIRST_CHUNK_BYTES apart, then each part in full chunks."""
+    """The payload's bytes as framed: FIRST_CHUNKS_BYTES apart, then the rest of each part in full chunks."""
     views = [wire.tensor_bytes(part) for part in parts]
-    if views and len(views[0]) > FIRST_CHUNK_BYTES:
-        views[0:1] = [views[0][:FIRST_CHUNK_BYTES], views[0][FIRST_CHUNK_BYTES:]]
-    return views
+    first, pieces = views[0] if views else memoryview(b""), []
+    for size in FIRST_CHUNKS_BYTES:
+        if len(first) <= size:
+            break
+        pieces.append(first[:size])
+        first = first[size:]
+    return pieces + [first] + views[1:]
 
 
 class ItemPayload:

@@ -93,6 +93,8 @@ class ItemSender:
             if charge.cut_why is None:  # the call itself was cancelled: its receiver went
                 write.cancel()
                 raise
+            # It fails once the receiver goes: expected, and retrieved whoever still waits on it then.
+            write.add_done_callback(_retrieve)
             nbytes = len(message) if isinstance(message, bytes) else message.ByteSize()
             raise StreamCut(write, nbytes, charge.cut_why) from None
         charge.sending_since = None
@@ -107,6 +109,11 @@ class ItemSender:
         seconds = time.perf_counter() - started
         for header, nbytes in zip(headers, response_bytes):
             self.record.item_sent(header, response_bytes=nbytes, stream_s=seconds)
+
+
+def _retrieve(write: asyncio.Future) -> None:
+    if not write.cancelled():
+        write.exception()
 
 
 async def leased_payloads(payloads: Sequence[ItemPayload], charge: StreamCharge) -> AsyncIterator[ItemOut]:

@@ -216,5 +216,3 @@ class StreamCharge:
         self._items.clear()
         self.settled = True
         await asyncio.wait([cut.write])
-        if not cut.write.cancelled():
-            cut.write.exception()  # retrieved: a write failing because the receiver went is expected
