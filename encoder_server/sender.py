@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import KW_ONLY, dataclass
 
 import grpc
 
@@ -24,26 +25,18 @@ from .streams import StreamCharge, StreamCut
 ItemOut = tuple[int, ItemPayload, bool, "bytes | None"]
 
 
+@dataclass(eq=False)
 class ItemSender:
     """Sends one call's items. `shm`: the call's shared-memory offer (gRPC streams only); `lease`: the
     Encode request's lease ask, granted per item from `leases`."""
 
-    def __init__(
-        self,
-        context: grpc.aio.ServicerContext,
-        charge: StreamCharge,
-        record: RequestRecord,
-        shm: ShmCall | None = None,
-        *,
-        leases: LeaseStore | None = None,
-        lease: pb.LeaseRequest | None = None,
-    ):
-        self.context = context
-        self.charge = charge
-        self.record = record
-        self.shm = shm
-        self.leases = leases
-        self.lease = lease
+    context: grpc.aio.ServicerContext
+    charge: StreamCharge
+    record: RequestRecord
+    shm: ShmCall | None = None
+    _: KW_ONLY
+    leases: LeaseStore | None = None
+    lease: pb.LeaseRequest | None = None
 
     async def send_all(self, payloads: AsyncIterator[ItemOut]) -> None:
         """Sends every item `payloads` yields, in its order; shared-memory segments are handed over once

@@ -63,11 +63,9 @@ def memory_mib(pid: int) -> dict[str, float]:
     return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
-async def stall(channel: grpc.aio.Channel, seed: int, deadline_s: float) -> tuple[str, grpc.aio.Call]:
+async def stall(channel: grpc.aio.Channel, seed: int, image: bytes, deadline_s: float) -> tuple[str, grpc.aio.Call]:
     """One never-reading client: its call and how it began (header, or the status it was refused with)."""
-    request = pb.EncodeRequest(
-        request_id=f"stalled-{seed}", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=distinct_image(seed))]
-    )
+    request = pb.EncodeRequest(request_id=f"stalled-{seed}", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image)])
     call = channel.unary_stream(
         "/encoder.v1.EncoderService/Encode",
         request_serializer=pb.EncodeRequest.SerializeToString,
@@ -83,6 +81,7 @@ async def stall(channel: grpc.aio.Channel, seed: int, deadline_s: float) -> tupl
 async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
     url = f"grpc://127.0.0.1:{port}"
     health_problems: list[str] = []
+    health_seconds: list[float] = []
     reader = {"served": 0, "failed": [], "seconds": []}
     stop = asyncio.Event()
     async with EncoderReceiver([url]) as rx, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as probe:
@@ -94,9 +93,10 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
             seed = 200_000
             while not stop.is_set():
                 seed += 1
+                image = await asyncio.to_thread(distinct_image, seed)  # off the loop: the health probe runs on it
                 started = time.perf_counter()
                 try:
-                    result = await rx.encode(f"reader-{seed}", [{"data": distinct_image(seed)}], timeout=60)
+                    result = await rx.encode(f"reader-{seed}", [{"data": image}], timeout=60)
                     item = result.items[0].embedding
                     assert item.numel() * item.element_size() == ITEM_BYTES, item.shape
                     reader["served"] += 1
@@ -108,14 +108,17 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         async def watch_health() -> None:
             stub = health_pb2_grpc.HealthStub(probe)
             while not stop.is_set():
+                asked = time.perf_counter()
                 try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=args.health_timeout_s)
                     if reply.status != health_pb2.HealthCheckResponse.SERVING:
                         health_problems.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
                 except grpc.aio.AioRpcError as exc:
                     health_problems.append(exc.code().name)
+                health_seconds.append(time.perf_counter() - asked)
                 await asyncio.sleep(0.5)
 
+        images = await asyncio.to_thread(lambda: [distinct_image(seed) for seed in range(args.clients)])
         background = [asyncio.ensure_future(read_throughout()), asyncio.ensure_future(watch_health())]
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=NEVER_READS) for _ in range(args.clients)]
         began: collections.Counter[str] = collections.Counter()
@@ -124,7 +127,7 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         try:
             for first in range(0, args.clients, args.wave):
                 wave = range(first, min(first + args.wave, args.clients))
-                results = await asyncio.gather(*(stall(channels[i], i, args.deadline_s) for i in wave))
+                results = await asyncio.gather(*(stall(channels[i], i, images[i], args.deadline_s) for i in wave))
                 began.update(kind for kind, _ in results)
                 calls += [call for _, call in results]
                 await asyncio.sleep(args.wave_interval_s)
@@ -148,6 +151,8 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         "reader_failed": reader["failed"],
         "reader_slowest_s": round(max(reader["seconds"], default=0.0), 2),
         "health_not_serving": health_problems,
+        "health_probes": len(health_seconds),
+        "health_slowest_s": round(max(health_seconds, default=0.0), 2),
     }
 
 
@@ -201,6 +206,7 @@ def main() -> None:
     p.add_argument("--hold-s", type=float, default=10.0, help="time all of them stay stalled at the end")
     p.add_argument("--deadline-s", type=float, default=300.0, help="the stalled calls' own deadline")
     p.add_argument("--reader-interval-s", type=float, default=0.25)
+    p.add_argument("--health-timeout-s", type=float, default=5.0)
     p.add_argument("--max-growth-gib", type=float, default=2.0)
     p.add_argument("--encoder", choices=("tower", "made-up"), default="tower")
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in model, written afresh)")
