@@ -76,10 +76,14 @@ def check_text_fields(request: pb.EncodeRequest) -> None:
     """Refuses over-long free-text fields, naming the field, before anything logs them."""
     check_request_id("request_id", request.request_id)
     if len(request.shm.probe) > MAX_PROBE_NAME_CHARS:
-        raise InvalidItemError(f"shm.probe is {len(request.shm.probe)} characters, over the limit of {MAX_PROBE_NAME_CHARS}")
+        raise InvalidItemError(
+            f"shm.probe is {len(request.shm.probe)} characters, over the limit of {MAX_PROBE_NAME_CHARS}"
+        )
     for item in request.items:
         if item.WhichOneof("source") == "url" and not item.url.startswith("data:") and len(item.url) > MAX_URL_CHARS:
-            raise InvalidItemError(f"item {item.index}: url is {len(item.url)} characters, over the limit of {MAX_URL_CHARS}")
+            raise InvalidItemError(
+                f"item {item.index}: url is {len(item.url)} characters, over the limit of {MAX_URL_CHARS}"
+            )
 
 
 def check_encode_request(request: pb.EncodeRequest, max_items: int) -> None:

@@ -50,13 +50,16 @@ class ItemSender:
         finally:
             shm.close()
 
-    async def _send(self, shm: ShmCall, index: int, payload: ItemPayload, cache_hit: bool, key: bytes | None) -> None:
+    async def _send(
+        self, shm: ShmCall, index: int, payload: ItemPayload, cache_hit: bool, key: bytes | None
+    ) -> None:
         message = payload.header_message(index, cache_hit)
         lease = self.lease
         if lease is not None:
             message.header.lease.CopyFrom(self.leases.grant(key, payload, lease.ttl_ms))
         # No chunks follow a payload withheld for its Fetch, or placed in shared memory.
-        placed = (lease is not None and lease.withhold_payload) or shm.place(message.header, payload.payload_views())
+        withheld = lease is not None and lease.withhold_payload
+        placed = withheld or shm.place(message.header, payload.payload_views())
         started = time.perf_counter()
         await self._write(message)
         if not placed:
@@ -92,7 +95,9 @@ class ItemSender:
             raise StreamCut(write, nbytes, charge.cut_why) from None
         charge.sending_since = None
 
-    async def push(self, headers: Sequence[pb.ItemHeader], transfer: Awaitable[None], response_bytes: Sequence[int]) -> None:
+    async def push(
+        self, headers: Sequence[pb.ItemHeader], transfer: Awaitable[None], response_bytes: Sequence[int]
+    ) -> None:
         """Awaits a transfer made outside gRPC (SGLang's ZMQ push of a part), under the watchdog's clock,
         then reports each of its items sent with the bytes it took."""
         self.charge.sending_since = time.monotonic()

@@ -105,7 +105,8 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             if lease is not None and self.leases is None:
                 raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
             async with self.streams.call() as charge:
-                sender = ItemSender(context, charge, record, ShmCall(self.shm, request), leases=self.leases, lease=lease)
+                shm = ShmCall(self.shm, request)
+                sender = ItemSender(context, charge, record, shm, leases=self.leases, lease=lease)
                 await sender.send_all(self.pipeline.payloads(request.items, charge))
 
     @_maps_errors

@@ -149,7 +149,8 @@ class StreamBudget:
             await asyncio.sleep(min(1.0, stall / 4))
             now = time.monotonic()
             for charge in list(self._calls):
-                if charge.cut_why is None and charge.sending_since is not None and now - charge.sending_since > stall:
+                waiting_since = charge.sending_since
+                if charge.cut_why is None and waiting_since is not None and now - waiting_since > stall:
                     self._cut(charge, f"its receiver read nothing for {stall:g} s")
 
 

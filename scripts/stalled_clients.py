@@ -65,7 +65,8 @@ def memory_mib(pid: int) -> dict[str, float]:
 
 async def stall(channel: grpc.aio.Channel, seed: int, image: bytes, deadline_s: float) -> tuple[str, grpc.aio.Call]:
     """One never-reading client: its call and how it began (header, or the status it was refused with)."""
-    request = pb.EncodeRequest(request_id=f"stalled-{seed}", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image)])
+    item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image)
+    request = pb.EncodeRequest(request_id=f"stalled-{seed}", items=[item])
     call = channel.unary_stream(
         "/encoder.v1.EncoderService/Encode",
         request_serializer=pb.EncodeRequest.SerializeToString,
@@ -210,7 +211,9 @@ def main() -> None:
     p.add_argument("--max-growth-gib", type=float, default=2.0)
     p.add_argument("--encoder", choices=("tower", "made-up"), default="tower")
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in model, written afresh)")
-    p.add_argument("server_flags", nargs="*", help="flags for the server after --, e.g. -- --stream-buffer-bytes 67108864")
+    p.add_argument(
+        "server_flags", nargs="*", help="server flags after --, e.g. -- --stream-buffer-bytes 67108864"
+    )
     args = p.parse_args()
     if not 1 <= args.clients <= 5000:
         p.error("--clients must be between 1 and 5000")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import subprocess
 import sys
 
@@ -32,7 +33,8 @@ NEVER_READS = [("grpc.http2.bdp_probe", 0)]
 
 
 def encode_request(request_id: str, width: int = 8) -> pb.EncodeRequest:
-    return pb.EncodeRequest(request_id=request_id, items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image_bytes(width, 8))])
+    item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image_bytes(width, 8))
+    return pb.EncodeRequest(request_id=request_id, items=[item])
 
 
 async def open_unread(channels: list[grpc.aio.Channel], widths: range) -> tuple[list, collections.Counter]:
@@ -131,3 +133,16 @@ async def test_over_long_free_text_fields_are_refused_naming_the_field(small_bud
             assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in raised.value.details()
         headers = [m async for m in encode(encode_request("ok"), timeout=30)]  # and it keeps serving
         assert len(headers) == 10  # a header, chunks of 32 KiB and 64 KiB, and seven more up to 1 MiB
+
+
+def test_the_stalled_clients_script_holds_its_checks_on_a_small_run(default_model_dir):
+    """scripts/stalled_clients.py, the full-size check of docs/reliability-security.md, on two dozen clients."""
+    run = subprocess.run(
+        [sys.executable, "scripts/stalled_clients.py", "--clients", "24", "--wave", "12", "--hold-s", "1",
+         "--encoder", "made-up", "--model", str(default_model_dir), "--max-growth-gib", "1"],  # fmt: skip
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sum(summary["stalled_began"].values()) == 24 and summary["reader_served"] >= 1
+    assert not summary["reader_failed"] and not summary["health_not_serving"]

@@ -211,7 +211,9 @@ class SglangEncoderServicer:
                 raise
             finally:
                 self.receive_urls.forget(request.req_id)
-        return sglang_pb.EncodeResponse(embedding_size=len(part.tensor), embedding_len=part.tokens, embedding_dim=part.width)
+        return sglang_pb.EncodeResponse(
+            embedding_size=len(part.tensor), embedding_len=part.tokens, embedding_dim=part.width
+        )
 
     async def _encode_part(self, request: sglang_pb.EncodeRequest, charge: StreamCharge) -> _Part:
         """Reads, admits and encodes a part's items (through the cache and batcher), then joins them."""
