@@ -14,7 +14,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from encoder_server.payload import FIRST_CHUNKS_BYTES
+from encoder_server.payload import FIRST_CHUNKS_BYTES, ItemPayload
 from encoder_server.streams import CALL_BYTES, CALL_STATE_BYTES, EVICT_AFTER_S, StreamLimits
 from protos import encoder_pb2 as pb
 from protos import wire
@@ -146,3 +146,17 @@ def test_the_stalled_clients_script_holds_its_checks_on_a_small_run(default_mode
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert sum(summary["stalled_began"].values()) == 24 and summary["reader_served"] >= 1
     assert not summary["reader_failed"] and not summary["health_not_serving"]
+
+
+def test_a_payload_starts_with_small_chunks_and_one_left_half_sent_keeps_chunks_only():
+    tensor = torch.arange(3 * MiB // 4, dtype=torch.int32)  # 3 MiB
+    payload = ItemPayload(pb.ItemHeader(), [tensor])
+    reader = payload.chunks()
+    sizes = [len(wire.parse_response(next(reader))) for _ in range(3)]
+    assert sizes == [*FIRST_CHUNKS_BYTES, wire.CHUNK_BYTES]
+    payload.finish_framing()  # the stream stopped after three chunks
+    assert payload._parts is None  # the tensor is let go: the chunks hold the payload, once
+    rest = list(reader)  # a caller still streaming it gets the remaining chunks all the same
+    sizes += [len(wire.parse_response(chunk)) for chunk in rest]
+    assert sizes == [32 << 10, 64 << 10, MiB, MiB, MiB - (96 << 10)]
+    assert b"".join(bytes(wire.parse_response(c)) for c in payload.chunks()) == tensor.numpy().tobytes()
