@@ -129,8 +129,10 @@ class ItemPipeline:
         """Decode, preprocess, forward (batched with other calls' items) and frame one item.
 
         The payload is charged to the stream budget before the forward makes it (twice: the output
-        tensors live until their last chunk is framed): a call refused for want of room costs no
-        forward and holds no output.
+        tensors live until their last chunk is framed), and so are the preprocessed pixel values until
+        the forward is done (for a large image they outweigh its embedding several times): a call
+        refused for want of room costs no forward and holds no output, and what waits for the
+        batcher stays within the budget.
         """
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
@@ -138,11 +140,14 @@ class ItemPipeline:
         preprocess_ms = (time.perf_counter() - started) * 1000
         spec = self.encoder.spec
         payload_bytes = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size * spec.dtype.itemsize
-        await charge.reserve(index, 2 * payload_bytes)  # the output, and its chunks as they are framed
+        input_bytes = prepared.pixel_values.numel() * prepared.pixel_values.element_size()
+        await charge.reserve(index, 2 * payload_bytes + input_bytes)  # the output, its chunks, the input
         (future,) = self.batcher.submit([prepared])
         admitted.done()  # it counts in the batcher's queue now
         encoded = await future
-        return ItemPayload.build(prepared, encoded, preprocess_ms)
+        payload = ItemPayload.build(prepared, encoded, preprocess_ms)
+        charge.release(index, input_bytes)
+        return payload
 
     def _prepare(self, data: bytes) -> PreparedImage:
         """Bytes to pixel values, on a preprocessing thread."""

@@ -194,9 +194,14 @@ class StreamCharge:
         self._items[index] = self._items.get(index, 0) + nbytes
         self.held += nbytes
 
-    def release(self, index: int) -> None:
-        """Item `index` is sent (handed to gRPC or placed in shared memory)."""
-        nbytes = self._items.pop(index, 0)
+    def release(self, index: int, nbytes: int | None = None) -> None:
+        """Gives back `nbytes` of item `index`'s charge, or all of it once the item is sent (handed to gRPC
+        or placed in shared memory)."""
+        charged = self._items.pop(index, 0)
+        if nbytes is not None and nbytes < charged:
+            self._items[index] = charged - nbytes
+        else:
+            nbytes = charged
         self.held -= nbytes
         self.budget.held -= nbytes
 
