@@ -1,12 +1,14 @@
-"""Domain errors of the encode path and the one table that maps them to gRPC status codes.
+"""Domain errors of the encode path and the one table that maps them to gRPC and HTTP statuses.
 
-Both sides use it: the server aborts a call with the status of the error it raised, and the
-receiver turns a status it got back into the same error class.
+Every side uses it: the server aborts a call with the status of the error it raised, the receiver
+turns a status it got back into the same error class, the gateway answers with its HTTP status, and
+the SGLang service pushes that HTTP status as SGLang's error_code.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import grpc
 
@@ -97,20 +99,33 @@ class TokenCountMismatchError(EncoderError):
         super().__init__(f"{where}Encoder produced {produced} tokens, but preprocessing expected {expected}")
 
 
-# Exact class -> status code; subclasses inherit their parent's entry (first match along the MRO).
-STATUS_BY_ERROR: dict[type[EncoderError], grpc.StatusCode] = {
-    UnsupportedModalityError: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidItemError: grpc.StatusCode.INVALID_ARGUMENT,
-    OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    UnavailableError: grpc.StatusCode.UNAVAILABLE,
-    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
-    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    SharedMemoryUnavailableError: grpc.StatusCode.FAILED_PRECONDITION,
-    TokenCountMismatchError: grpc.StatusCode.INTERNAL,
-    EncoderError: grpc.StatusCode.INTERNAL,
+@dataclass(frozen=True)
+class ErrorStatus:
+    """How an error class is answered: its gRPC status, and its HTTP status (the gateway's answer, and
+    the `error_code` of SGLang's EmbeddingData, which carries HTTP codes)."""
+
+    grpc: grpc.StatusCode
+    http: int
+
+
+# The one table: exact class -> its statuses; subclasses inherit their parent's entry (first match along
+# the MRO). An overloaded server is HTTP 503, not 429: RESOURCE_EXHAUSTED here means this server's
+# queue or stream budget is spent, a temporary state of the server (RFC 9110 15.6.4, with Retry-After)
+# that a load balancer retries on another backend, while 429 (RFC 6585) tells a client that it sent
+# too many requests, blaming a caller who did nothing wrong.
+ERROR_TABLE: dict[type[EncoderError], ErrorStatus] = {
+    InvalidItemError: ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400),
+    OverloadedError: ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
+    UnavailableError: ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503),
+    UnauthenticatedError: ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, 401),
+    NotFoundError: ErrorStatus(grpc.StatusCode.NOT_FOUND, 404),
+    PermissionDeniedError: ErrorStatus(grpc.StatusCode.PERMISSION_DENIED, 403),
+    DeadlineExceededError: ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    SharedMemoryUnavailableError: ErrorStatus(grpc.StatusCode.FAILED_PRECONDITION, 400),
+    TokenCountMismatchError: ErrorStatus(grpc.StatusCode.INTERNAL, 500),
+    EncoderError: ErrorStatus(grpc.StatusCode.INTERNAL, 500),
 }
+_UNEXPECTED = ErrorStatus(grpc.StatusCode.INTERNAL, 500)
 
 _ERROR_BY_STATUS: dict[grpc.StatusCode, type[EncoderError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidItemError,
@@ -123,17 +138,32 @@ _ERROR_BY_STATUS: dict[grpc.StatusCode, type[EncoderError]] = {
 }
 
 
+def error_status(cls: type[BaseException]) -> ErrorStatus:
+    """The statuses of an error class; INTERNAL / 500 for anything unexpected."""
+    for base in cls.__mro__:
+        if base in ERROR_TABLE:
+            return ERROR_TABLE[base]
+    return _UNEXPECTED
+
+
 def status_for(error: BaseException) -> grpc.StatusCode:
     """The status code a server sends for `error`; INTERNAL for anything unexpected."""
-    return status_for_class(type(error))
+    return error_status(type(error)).grpc
 
 
 def status_for_class(cls: type[BaseException]) -> grpc.StatusCode:
     """The status code of an error class; INTERNAL for anything unexpected."""
-    for base in cls.__mro__:
-        if base in STATUS_BY_ERROR:
-            return STATUS_BY_ERROR[base]
-    return grpc.StatusCode.INTERNAL
+    return error_status(cls).grpc
+
+
+def http_status_for(error: BaseException) -> int:
+    """The HTTP status (and SGLang error_code) of `error`; 500 for anything unexpected."""
+    return error_status(type(error)).http
+
+
+def http_status_for_code(code: grpc.StatusCode, details: str = "") -> int:
+    """The HTTP status of a gRPC status a receiver got back: that of the error class it stands for."""
+    return error_status(error_class_for(code, details)).http
 
 
 # gRPC itself refuses a message over the size limit with RESOURCE_EXHAUSTED and this text; that is

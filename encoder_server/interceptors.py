@@ -4,6 +4,7 @@ behind, and the refusal handler that the bearer-token interceptor answers refuse
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import grpc
@@ -103,7 +104,7 @@ class DrainGate:
                 return await behavior(requests, context)
 
             return handler._replace(stream_unary=stream_unary)
-        if handler.response_streaming:
+        if handler.response_streaming and not inspect.iscoroutinefunction(handler.unary_stream):
             behavior = handler.unary_stream
 
             async def unary_stream(request, context):
@@ -116,9 +117,11 @@ class DrainGate:
                     self._exit()
 
             return handler._replace(unary_stream=unary_stream)
-        behavior = handler.unary_unary
+        # A unary response, or a stream written with `context.write` by a coroutine: wrapped alike.
+        field = "unary_stream" if handler.response_streaming else "unary_unary"
+        behavior = getattr(handler, field)
 
-        async def unary_unary(request, context):
+        async def unary(request, context):
             await refuse(context)
             self._enter()
             try:
@@ -126,7 +129,7 @@ class DrainGate:
             finally:
                 self._exit()
 
-        return handler._replace(unary_unary=unary_unary)
+        return handler._replace(**{field: unary})
 
     async def _refuse(self, context: grpc.aio.ServicerContext) -> None:
         if self.closed:

@@ -1,8 +1,14 @@
 """An item's response as the server sends it: its ItemHeader and its payload framed into chunk
-messages once, kept so that every caller (and every cache hit) sends the same bytes objects."""
+messages once, kept so that every caller (and every cache hit) sends the same bytes objects.
+
+An item's first chunks are small (FIRST_CHUNKS_BYTES): a receiver that never reads stalls on the
+second, so its stalled stream leaves a 64 KiB message inside gRPC instead of a whole 1 MiB chunk
+(see streams.py); receivers that read get 1 MiB chunks after them.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -12,6 +18,24 @@ from protos import wire
 
 from .batcher import TimedEmbedding
 from .models import PreparedImage
+
+# An item's first chunks, before 1 MiB ones. The header and the first fit the 64 KiB HTTP/2 window a
+# gRPC client starts with; the second does not, so a receiver that never reads stalls on it. (A client
+# that has read the header may open its window for a message it has partly received: a first chunk
+# of 64 KiB was let through that way, a second one is not.)
+FIRST_CHUNKS_BYTES = (32 << 10, 64 << 10)
+
+
+def _pieces(parts: Sequence[torch.Tensor]) -> list[memoryview]:
+    """The payload's bytes as framed: FIRST_CHUNKS_BYTES apart, then the rest of each part in full chunks."""
+    views = [wire.tensor_bytes(part) for part in parts]
+    first, pieces = views[0] if views else memoryview(b""), []
+    for size in FIRST_CHUNKS_BYTES:
+        if len(first) <= size:
+            break
+        pieces.append(first[:size])
+        first = first[size:]
+    return pieces + [first] + views[1:]
 
 
 class ItemPayload:
@@ -24,9 +48,10 @@ class ItemPayload:
 
     def __init__(self, header: pb.ItemHeader, parts: Sequence[torch.Tensor]):
         self.header = header
-        self.nbytes = wire.framed_size([part.numel() * part.element_size() for part in parts])
+        pieces = _pieces(parts)
+        self.nbytes = wire.framed_size([len(piece) for piece in pieces])
         self._parts: list[torch.Tensor] | None = list(parts)  # held until every chunk is framed
-        self._framing: Iterator[bytes] | None = wire.frame_parts(self._parts)
+        self._framing: Iterator[bytes] | None = itertools.chain.from_iterable(map(wire.chunk_messages, pieces))
         self._chunks: list[bytes] = []
 
     def payload_views(self) -> list[memoryview]:
@@ -46,6 +71,13 @@ class ItemPayload:
                 self._chunks.append(chunk)
             yield self._chunks[index]
             index += 1
+
+    def finish_framing(self) -> None:
+        """Frames the chunks no caller has reached yet and lets the tensors go: a payload whose stream
+        stopped part-way would otherwise hold both its tensors and its first chunks."""
+        if self._framing is not None:
+            self._chunks.extend(self._framing)
+            self._framing = self._parts = None
 
     @classmethod
     def build(cls, prepared: PreparedImage, encoded: TimedEmbedding, preprocess_ms: float) -> ItemPayload:

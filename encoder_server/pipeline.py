@@ -58,8 +58,8 @@ class ItemPipeline:
 
     async def payloads(
         self, items: Sequence[pb.ImageItem], charge: StreamCharge
-    ) -> AsyncIterator[tuple[pb.ImageItem, ItemPayload, bool, bytes | None]]:
-        """Each item with its payload, whether that came from the cache, and its content key (None when
+    ) -> AsyncIterator[tuple[int, ItemPayload, bool, bytes | None]]:
+        """Each item's index with its payload, whether that came from the cache, and its content key (None when
         neither the cache nor `keys` wants one), in the items' order; each payload charged to the
         call's stream budget (the caller releases it once sent).
 
@@ -73,7 +73,7 @@ class ItemPipeline:
         self._preprocessing += len(items)
         if len(items) == 1:  # a lone item needs no task of its own: one turn of the event loop less
             payload, cache_hit, key = await self._item_payload(items[0], charge)
-            yield items[0], payload, cache_hit, key
+            yield items[0].index, payload, cache_hit, key
             return
         # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
         # as its bytes are read, in tasks started in the items' order; they are still yielded in order.
@@ -83,7 +83,7 @@ class ItemPipeline:
         try:
             for item, task in zip(items, tasks):
                 payload, cache_hit, key = await task
-                yield item, payload, cache_hit, key
+                yield item.index, payload, cache_hit, key
         finally:
             for task in tasks:
                 task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
@@ -138,8 +138,10 @@ class ItemPipeline:
         """Decode, preprocess, forward (batched with other calls' items) and frame one item.
 
         The payload is charged to the stream budget before the forward makes it (twice: the output
-        tensors live until their last chunk is framed): a call refused for want of room costs no
-        forward and holds no output.
+        tensors live until their last chunk is framed), and so are the preprocessed pixel values until
+        the forward is done (for a large image they outweigh its embedding several times): a call
+        refused for want of room costs no forward and holds no output, and what waits for the
+        batcher stays within the budget.
         """
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
@@ -147,11 +149,14 @@ class ItemPipeline:
         preprocess_ms = (time.perf_counter() - started) * 1000
         spec = self.encoder.spec
         payload_bytes = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size * spec.dtype.itemsize
-        await charge.reserve(index, 2 * payload_bytes)  # the output, and its chunks as they are framed
+        input_bytes = prepared.pixel_values.numel() * prepared.pixel_values.element_size()
+        await charge.reserve(index, 2 * payload_bytes + input_bytes)  # the output, its chunks, the input
         (future,) = self.batcher.submit([prepared])
         admitted.done()  # it counts in the batcher's queue now
         encoded = await future
-        return ItemPayload.build(prepared, encoded, preprocess_ms)
+        payload = ItemPayload.build(prepared, encoded, preprocess_ms)
+        charge.release(index, input_bytes)
+        return payload
 
     def _prepare(self, data: bytes) -> PreparedImage:
         """Bytes to pixel values as the profile's engine makes them, on a preprocessing thread."""

@@ -1,21 +1,23 @@
-"""The server's bound on payload bytes held for Encode streams in progress, and the watchdog that
-cancels a stream whose receiver stopped reading.
+"""The server's bound on the bytes held for calls in progress, and the watchdog that cuts a stream whose
+receiver stopped reading.
 
-A call holds an item's payload (its tensors, or its framed chunks) from the moment the item is ready
-until its last byte is handed to gRPC or to a shared-memory segment. Without a bound, callers that
-open streams and never read them pin that memory for as long as they like. Each call charges its
-items here (a computed one once preprocessing knows its size, before the forward makes it); a call that would take the total past the budget is refused with
-RESOURCE_EXHAUSTED (the receiver takes that as "busy" and goes elsewhere or backs off), so the bytes
-held never pass `max_bytes` (or one item's size, for an item larger than the whole budget). The
-embedding cache's own budget is separate: a cached payload is charged again only while streamed.
+Every call holds, from admission until its RPC is really over, `CALL_BYTES`: its own state in gRPC
+and Python, and room for the one message it has handed to gRPC (gRPC keeps its own copy of a message
+until the receiver's flow-control window takes it). Each item's payload (its tensors, or its framed
+chunks) is charged too, from the moment it is ready (a computed one once preprocessing knows its
+size, before the forward makes it) until its last byte is handed to gRPC or to a shared-memory
+segment. A call that would take the total past `max_bytes` is refused with RESOURCE_EXHAUSTED (the
+receiver takes that as "busy" and goes elsewhere or backs off), so the bytes held never pass the
+budget (or one item's size, for an item larger than the whole budget). The embedding cache's own
+budget is separate: a cached payload is charged again only while streamed.
 
 Streams whose receiver stops reading are cut two ways: any stream after `stall_timeout_s`, and,
 when a call needs room, every stream whose receiver has not taken a message for `EVICT_AFTER_S`,
 so that callers who read keep being served while those who do not hold the budget. gRPC Python
-cannot reset a stream from the server: a cut stream's handler stops and gives its bytes back, but
-gRPC keeps the messages it had accepted for it until the client goes (cancels, reaches its deadline,
-disconnects): at most `RESIDUE_BYTES` per cut stream (~1.2 MB measured with 1 MiB chunks), outside
-the budget, since the server is never told when that client goes.
+cannot reset a stream from the server: the message a cut stream was sending stays inside gRPC until
+its receiver reads it or goes (cancels, reaches its deadline, disconnects). A cut call therefore
+gives back its payloads at once but stays charged for that message and its state until it is really
+over; however many receivers stall, what they leave inside gRPC is within the budget.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from encoder_common.env_flags import flag
@@ -35,52 +38,64 @@ log = logging.getLogger(__name__)
 # into their own buffers as fast as they arrive, so a reading receiver never makes the server wait
 # anywhere near this. Such streams give way when a new call needs their room.
 EVICT_AFTER_S = 1.0
-# What gRPC may still hold for a cut stream: the chunk message it accepted and the one waiting.
-RESIDUE_BYTES = 2 * wire.CHUNK_BYTES
+# A live call's own state in gRPC and Python (about 48 KB measured per call with a thousand open).
+CALL_STATE_BYTES = 64 << 10
+# The most a live call keeps inside gRPC at once: its state and a copy of the largest message it sends.
+CALL_BYTES = CALL_STATE_BYTES + wire.CHUNK_BYTES + 16
+DEFAULT_STREAM_BUFFER_BYTES = 512 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
 class StreamLimits:
     max_bytes: int = field(
-        default=1 << 30,
+        default=DEFAULT_STREAM_BUFFER_BYTES,
         metadata=flag(
-            "payload bytes held for streams in progress at most; beyond, calls get RESOURCE_EXHAUSTED",
+            "bytes held for calls in progress at most (payloads, and what each call leaves inside gRPC); "
+            "beyond, calls get RESOURCE_EXHAUSTED",
             name="--stream-buffer-bytes",
         ),
     )
     stall_timeout_s: float = field(
-        default=30.0, metadata=flag("cancel a stream whose receiver has not taken its next message for this long")
+        default=30.0, metadata=flag("cut a stream whose receiver has not taken its next message for this long")
     )
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 1:
-            raise ValueError(f"the stream buffer budget must be positive, got {self.max_bytes} bytes")
+        if self.max_bytes < CALL_BYTES:
+            raise ValueError(f"the stream buffer budget must be at least {CALL_BYTES} bytes, got {self.max_bytes}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"the stream stall timeout must be positive, got {self.stall_timeout_s} s")
 
 
+class StreamCut(Exception):
+    """Raised inside a call whose stream the budget cut while `write` (a message of `nbytes`) was pending."""
+
+    def __init__(self, write: asyncio.Future, nbytes: int, why: str):
+        super().__init__(why)
+        self.write = write
+        self.nbytes = nbytes
+
+
 class StreamBudget:
-    """Bytes held for streams in progress, and the calls waiting on their receivers. Event loop only."""
+    """Bytes held for calls in progress, and the calls waiting on their receivers. Event loop only."""
 
     def __init__(self, limits: StreamLimits):
         self.limits = limits
         self.held = 0
         self.peak = 0
         self.refused = 0  # calls refused for want of room
-        self.stalled = 0  # streams cancelled by the watchdog
+        self.stalled = 0  # streams cut by the watchdog or for a new call's room
         self._calls: set[StreamCharge] = set()
         self._watchdog: asyncio.Task | None = None
 
-    async def admit(self) -> None:
-        """Refuses a new call when the budget is spent even after cutting streams nobody reads."""
-        if self.held >= self.limits.max_bytes and not await self._evict_unread():
-            self._refuse(0)
+    @property
+    def cut_calls(self) -> int:
+        """Calls cut and not yet over: each still holds what it left inside gRPC."""
+        return sum(1 for charge in self._calls if charge.cut_why is not None)
 
     def call(self) -> StreamCharge:
-        """The current Encode call's charge; the caller must `close()` it when the call ends."""
-        charge = StreamCharge(self, asyncio.current_task())
-        self._calls.add(charge)
-        return charge
+        """Admits the current call: `async with budget.call() as charge:` around all its work. Refuses it
+        (OverloadedError) when its CALL_BYTES do not fit even after cutting streams nobody reads."""
+        return StreamCharge(self, asyncio.current_task())
 
     def start(self) -> None:
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
@@ -100,27 +115,31 @@ class StreamBudget:
         self.peak = max(self.peak, self.held)
 
     async def _evict_unread(self) -> bool:
-        """Cancels the streams not being read; True once their bytes are given back."""
+        """Cuts the streams not being read; True once they have given back their payloads."""
         now = time.monotonic()
-        unread = [c for c in self._calls if c.sending_since is not None and now - c.sending_since > EVICT_AFTER_S]
+        unread = [
+            c
+            for c in self._calls
+            if c.cut_why is None and c.sending_since is not None and now - c.sending_since > EVICT_AFTER_S
+        ]
         for charge in unread:
             self._cut(charge, f"a new call needed room and its receiver read nothing for {EVICT_AFTER_S:g} s")
-        for _ in range(3):  # each cancelled handler unwinds (and gives its bytes back) on the next turns
-            if not any(c in self._calls for c in unread):
+        for _ in range(8):  # each cut handler unwinds (and gives its payloads back) over the next turns
+            if all(c.settled or c not in self._calls for c in unread):
                 break
             await asyncio.sleep(0)
         return bool(unread)
 
     def _cut(self, charge: StreamCharge, why: str) -> None:
         self.stalled += 1
-        log.warning("Encode stream cancelled, %d bytes held: %s", charge.held, why)
-        charge.cancel()
+        log.warning("Encode stream cut, %d bytes held: %s", charge.held, why)
+        charge.cut(why)
 
     def _refuse(self, nbytes: int) -> None:
         self.refused += 1
-        need = f" (this item needs {nbytes} more)" if nbytes else ""
+        need = f" (this call needs {nbytes} more)" if nbytes else ""
         raise OverloadedError(
-            f"the server holds {self.held} bytes for streams in progress{need}, "
+            f"the server holds {self.held} bytes for calls in progress{need}, "
             f"its limit is {self.limits.max_bytes} (--stream-buffer-bytes): try another encoder or later"
         )
 
@@ -130,21 +149,44 @@ class StreamBudget:
             await asyncio.sleep(min(1.0, stall / 4))
             now = time.monotonic()
             for charge in list(self._calls):
-                if charge.sending_since is not None and now - charge.sending_since > stall:
+                waiting_since = charge.sending_since
+                if charge.cut_why is None and waiting_since is not None and now - waiting_since > stall:
                     self._cut(charge, f"its receiver read nothing for {stall:g} s")
 
 
 class StreamCharge:
-    """One call's share of the budget, and when it began waiting for its receiver to take a message."""
+    """One call's share of the budget (its CALL_BYTES and its items' payloads), and when it began waiting
+    for its receiver to take a message. An async context manager: entering admits the call, leaving
+    gives everything back once the call is really over."""
 
-    __slots__ = ("budget", "task", "held", "sending_since", "_items")
+    __slots__ = ("budget", "task", "held", "sending_since", "cut_why", "settled", "_items")
 
     def __init__(self, budget: StreamBudget, task: asyncio.Task | None):
         self.budget = budget
         self.task = task
         self.held = 0
         self.sending_since: float | None = None
+        self.cut_why: str | None = None  # why the budget cut this call's stream, once it did
+        self.settled = False  # cut, and holding only what it left inside gRPC
         self._items: dict[int, int] = {}  # item index -> bytes charged for it
+
+    async def __aenter__(self) -> StreamCharge:
+        await self.budget._reserve(CALL_BYTES)
+        self.held = CALL_BYTES
+        self.budget._calls.add(self)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            if isinstance(exc, StreamCut):
+                await self._settle(exc, tb)
+        finally:
+            self.budget.held -= self.held
+            self.held = 0
+            self._items.clear()
+            self.budget._calls.discard(self)
+        if isinstance(exc, StreamCut):
+            raise OverloadedError(f"the stream was cut: {exc}") from None
 
     async def reserve(self, index: int, nbytes: int) -> None:
         """Charges item `index`'s payload; raises OverloadedError when it does not fit."""
@@ -152,20 +194,31 @@ class StreamCharge:
         self._items[index] = self._items.get(index, 0) + nbytes
         self.held += nbytes
 
-    def release(self, index: int) -> None:
-        """Item `index` is sent (handed to gRPC or placed in shared memory)."""
-        nbytes = self._items.pop(index, 0)
+    def release(self, index: int, nbytes: int | None = None) -> None:
+        """Gives back `nbytes` of item `index`'s charge, or all of it once the item is sent (handed to gRPC
+        or placed in shared memory)."""
+        charged = self._items.pop(index, 0)
+        if nbytes is not None and nbytes < charged:
+            self._items[index] = charged - nbytes
+        else:
+            nbytes = charged
         self.held -= nbytes
         self.budget.held -= nbytes
 
-    def cancel(self) -> None:
-        """Stops the call's handler; its `finally` blocks give everything back."""
+    def cut(self, why: str) -> None:
+        """Stops the call's handler: its payloads are given back, what it left inside gRPC stays charged."""
+        self.cut_why = why
         self.sending_since = None
         if self.task is not None:
             self.task.cancel()
 
-    def close(self) -> None:
-        self.budget.held -= self.held
-        self.held = 0
+    async def _settle(self, cut: StreamCut, tb) -> None:
+        """Holds only the cut call's state and pending message until that message is taken or the call
+        is over (its receiver cancels, reaches its deadline or disconnects)."""
+        traceback.clear_frames(tb)  # the frames that sent the payloads: they must not keep them alive
+        remaining = CALL_STATE_BYTES + cut.nbytes
+        self.budget.held -= self.held - remaining
+        self.held = remaining
         self._items.clear()
-        self.budget._calls.discard(self)
+        self.settled = True
+        await asyncio.wait([cut.write])

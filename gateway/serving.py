@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import grpc
 
-from encoder_common.errors import EncoderError, InvalidItemError
+from encoder_common.errors import EncoderError, InvalidItemError, http_status_for_code
 from encoder_common.sources import SourceReader
 from receiver import EncodeFailedError, EncoderReceiver
 
@@ -55,22 +55,26 @@ _ITEM_IN_MESSAGE = re.compile(r"\bitem (\d+): ")
 
 
 def encode_error(error: EncoderError, parts: list[ImagePart], retry_after_s: int) -> GatewayError:
-    """The HTTP answer for a failed encode (one table: a bad image is the client's, the rest is ours)."""
+    """The HTTP answer for a failed encode: the status from the error table (encoder_common.errors),
+    a bad image's message naming its part, and 502 for an encoder failing on its own."""
     if isinstance(error, InvalidItemError):  # refused before any call: the message names the part
         return GatewayError(400, str(error))
-    if isinstance(error, EncodeFailedError):
-        if error.code == grpc.StatusCode.INVALID_ARGUMENT:
-            return GatewayError(400, _bad_item_message(error, parts))
-        if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return GatewayError(
-                503,
-                f"the encoders are overloaded; retry later ({error.message})",
-                headers={"Retry-After": str(retry_after_s)},
-            )
-        if error.code == grpc.StatusCode.UNAVAILABLE:
-            return GatewayError(503, f"no encoder is reachable ({error.message})")
-        if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return GatewayError(504, f"encoding the images took longer than the deadline ({error.message})")
+    if not isinstance(error, EncodeFailedError):
+        return GatewayError(502, f"encoding the images failed: {error}")
+    status = http_status_for_code(error.code, error.message)
+    if status == 400:
+        return GatewayError(400, _bad_item_message(error, parts))
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return GatewayError(
+            status,
+            f"the encoders are overloaded; retry later ({error.message})",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+    if error.code == grpc.StatusCode.UNAVAILABLE:
+        return GatewayError(status, f"no encoder is reachable ({error.message})")
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayError(status, f"encoding the images took longer than the deadline ({error.message})")
+    # Anything else is the encoders' own failure, which a gateway reports as a bad upstream.
     return GatewayError(502, f"encoding the images failed: {error}")
 
 

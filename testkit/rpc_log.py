@@ -32,11 +32,11 @@ class RpcLog(grpc.aio.ServerInterceptor):
         behavior = handler.unary_stream
 
         async def logged(request, context):
-            # The servicer reads raw request bytes (it parses them itself, to refuse unknown fields).
+            # The servicer reads raw request bytes (it parses them itself, to refuse unknown fields), and
+            # writes its stream with `context.write` (a coroutine handler, see encoder_server/sender.py).
             parsed = pb.EncodeRequest.FromString(request) if isinstance(request, bytes) else request
             self.calls.append((method, [item.index for item in parsed.items]))
-            async for message in behavior(request, context):
-                yield message
+            await behavior(request, context)
 
         return grpc.unary_stream_rpc_method_handler(
             logged,

@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from encoder_common.errors import STATUS_BY_ERROR, outcome_for
+from encoder_common.errors import ERROR_TABLE, outcome_for
 from encoder_server.batcher import BatchingConfig
 from encoder_server.metrics import CacheStats
 from encoder_server.models import load_vision_encoder
@@ -206,8 +206,8 @@ async def test_shared_memory_stats_are_exported(default_model_dir):
 
 def test_the_outcome_label_follows_the_error_table():
     # One table: the outcome of a status code is that of the error class the code stands for.
-    for error_class, code in STATUS_BY_ERROR.items():
-        assert outcome_for(code) == error_class.outcome, error_class
+    for error_class, status in ERROR_TABLE.items():
+        assert outcome_for(status.grpc) == error_class.outcome, error_class
     assert outcome_for(grpc.StatusCode.OK) == "ok" and outcome_for(grpc.StatusCode.CANCELLED) == "cancelled"
     assert outcome_for(grpc.StatusCode.UNAUTHENTICATED) == "invalid"
     assert outcome_for(grpc.StatusCode.UNAVAILABLE) == outcome_for(grpc.StatusCode.RESOURCE_EXHAUSTED) == "overloaded"

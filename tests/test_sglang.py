@@ -229,7 +229,7 @@ def received_error(outcome: dict) -> str:
         ("bad_image", "INVALID_ARGUMENT", "item 0: bytes are not an image file of a known format", 400),
         ("video_data_uri", "INVALID_ARGUMENT", "gRPC encode only supports IMAGE modality, got: ['video']", 400),
         ("video_base64", "INVALID_ARGUMENT", "gRPC encode only supports IMAGE modality, got: ['video']", 400),
-        ("overloaded", "RESOURCE_EXHAUSTED", "encoder queue is full", 429),
+        ("overloaded", "RESOURCE_EXHAUSTED", "encoder queue is full", 503),
         ("deadline", "DEADLINE_EXCEEDED", "was cancelled or ran out of time", 504),
     ],
 )

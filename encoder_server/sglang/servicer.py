@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 import zmq
-from google.protobuf.message import DecodeError
 
 from encoder_common.errors import (
     DeadlineExceededError,
@@ -29,6 +28,7 @@ from encoder_common.errors import (
     InvalidItemError,
     OverloadedError,
     UnsupportedModalityError,
+    http_status_for,
     status_for,
 )
 from protos import encoder_pb2 as pb
@@ -39,23 +39,17 @@ from ..config import ServerConfig
 from ..metrics import ServerMetrics
 from ..payload import ItemPayload
 from ..pipeline import ItemPipeline
-from ..servicer import MAX_REQUEST_ID_CHARS
+from ..checks import check_receive_url_request, check_sglang_encode_request, parse_message
+from ..sender import ItemSender
 from ..streams import StreamBudget, StreamCharge
 from .config import SglangConfig
-from .embedding_data import HTTP_BAD_REQUEST, PartMeta, embedding_data_pickle
+from .embedding_data import PartMeta, embedding_data_pickle
 from .items import read_item
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = sglang_pb.DESCRIPTOR.services_by_name["SglangEncoder"].full_name
 
-# error_code of a pushed error, by the domain error's status (SGLang puts HTTP codes there).
-_HTTP_CODES = {
-    grpc.StatusCode.INVALID_ARGUMENT: HTTP_BAD_REQUEST,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 # Telling a receiver about a failure waits at most this long (a receiver that is gone must not hold
 # the call's status back for the whole push timeout).
 ERROR_PUSH_TIMEOUT_S = 5.0
@@ -164,23 +158,21 @@ class SglangEncoderServicer:
         self._zmq.term()
 
     async def Encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        request = await _parse(sglang_pb.EncodeRequest, raw, context)
+        request: sglang_pb.EncodeRequest | None = None
         try:
+            request = parse_message(raw, sglang_pb.EncodeRequest, refuse_unknown=False)
             response = await self._encode_and_push(request, context)
         except EncoderError as exc:
             await context.abort(status_for(exc), str(exc))
         except Exception:
-            log.exception("SGLang request %r failed", request.req_id)
+            log.exception("SGLang request %r failed", getattr(request, "req_id", "?"))
             await context.abort(grpc.StatusCode.INTERNAL, "internal error while encoding; see the server log")
         return response.SerializeToString()
 
     async def SchedulerReceiveUrl(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        request = await _parse(sglang_pb.SchedulerReceiveUrlRequest, raw, context)
         try:
-            if not request.req_id:
-                raise InvalidItemError("missing req_id")
-            if request.receive_count < 1:
-                raise InvalidItemError("receive_count must be at least 1")
+            request = parse_message(raw, sglang_pb.SchedulerReceiveUrlRequest, refuse_unknown=False)
+            check_receive_url_request(request)
             _endpoint_of_url(request.receive_url)
             self.receive_urls.register(request.req_id, request.receive_url, request.receive_count)
         except EncoderError as exc:
@@ -197,34 +189,31 @@ class SglangEncoderServicer:
         any failure, the call's cancellation included, the receiver is told (see _tell_failure)."""
         with self.metrics.record(request.req_id, len(request.mm_items), context) as record:
             endpoints: list[str] = []
-            charge = None  # the part's bytes count in the stream budget until pushed
             try:
-                _check(request, self.server_config.max_items_per_request)
+                check_sglang_encode_request(request, self.server_config.max_items_per_request)
                 endpoints = [_endpoint(request.prefill_host, port) for port in request.embedding_port]
-                await self.streams.admit()
-                charge = self.streams.call()
-                part = await self._encode_part(request, charge)
-                if not endpoints:  # zmq_to_scheduler: the receiving ranks register their URLs
-                    remaining = context.time_remaining()
-                    timeout = self.config.receive_url_timeout_s
-                    if remaining is not None:
-                        timeout = min(timeout, remaining)
-                    endpoints = [_endpoint_of_url(url) for url in await self.receive_urls.wait(request.req_id, timeout)]
-                started = time.perf_counter()
-                charge.sending_since = time.monotonic()  # the budget's watchdog cuts a push stuck past its stall limit
-                await asyncio.gather(*(self._push(endpoint, [part.meta, part.tensor]) for endpoint in endpoints))
-                push_s = time.perf_counter() - started
+                async with self.streams.call() as charge:  # the part's bytes count until pushed
+                    part = await self._encode_part(request, charge)
+                    if not endpoints:  # zmq_to_scheduler: the receiving ranks register their URLs
+                        remaining = context.time_remaining()
+                        timeout = self.config.receive_url_timeout_s
+                        if remaining is not None:
+                            timeout = min(timeout, remaining)
+                        urls = await self.receive_urls.wait(request.req_id, timeout)
+                        endpoints = [_endpoint_of_url(url) for url in urls]
+                    pushes = asyncio.gather(*(self._push(endpoint, [part.meta, part.tensor]) for endpoint in endpoints))
+                    frames = [header.payload_bytes * len(endpoints) for header in part.headers]
+                    frames[0] += len(part.meta) * len(endpoints)
+                    sender = ItemSender(context, charge, record)
+                    await sender.push(part.headers, pushes, frames)
             except BaseException as exc:
                 await self._tell_failure(request, endpoints, exc)
                 raise
             finally:
                 self.receive_urls.forget(request.req_id)
-                if charge is not None:
-                    charge.close()
-            for index, header in enumerate(part.headers):
-                frames = header.payload_bytes + (len(part.meta) if index == 0 else 0)
-                record.item_sent(header, response_bytes=frames * len(endpoints), stream_s=push_s)
-        return sglang_pb.EncodeResponse(embedding_size=len(part.tensor), embedding_len=part.tokens, embedding_dim=part.width)
+        return sglang_pb.EncodeResponse(
+            embedding_size=len(part.tensor), embedding_len=part.tokens, embedding_dim=part.width
+        )
 
     async def _encode_part(self, request: sglang_pb.EncodeRequest, charge: StreamCharge) -> _Part:
         """Reads, admits and encodes a part's items (through the cache and batcher), then joins them."""
@@ -285,7 +274,7 @@ class SglangEncoderServicer:
         if isinstance(exc, asyncio.CancelledError):
             message, code = f"the encode call for {request.req_id!r} was cancelled or ran out of time", 504
         elif isinstance(exc, EncoderError):
-            message, code = str(exc), _HTTP_CODES.get(status_for(exc), 500)
+            message, code = str(exc), http_status_for(exc)
         else:
             message, code = "internal error while encoding; see the encoder server's log", 500
         meta = embedding_data_pickle(
@@ -310,33 +299,6 @@ class SglangEncoderServicer:
 def _log_failed_error_push(pushes: asyncio.Future) -> None:
     if not pushes.cancelled() and pushes.exception() is not None:
         log.warning("could not tell an SGLang receiver about a failed part: %s", pushes.exception())
-
-
-async def _parse(message_class, raw: bytes, context: grpc.aio.ServicerContext):
-    try:
-        return message_class.FromString(raw)
-    except DecodeError:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {message_class.DESCRIPTOR.full_name} message"
-        )
-
-
-def _check(request: sglang_pb.EncodeRequest, max_items: int) -> None:
-    """SGLang's own checks of an encode request, and this server's item limit."""
-    if not request.req_id:
-        raise InvalidItemError("missing req_id")
-    if len(request.req_id) > MAX_REQUEST_ID_CHARS:  # the native request_id's limit: it is logged too
-        raise InvalidItemError(
-            f"req_id is {len(request.req_id)} characters, over the limit of {MAX_REQUEST_ID_CHARS}"
-        )
-    if not request.mm_items:
-        raise InvalidItemError("missing or empty mm_items")
-    if len(request.mm_items) > max_items:
-        raise InvalidItemError(f"request has {len(request.mm_items)} items, over the limit of {max_items}")
-    if request.num_parts < 1:
-        raise InvalidItemError("num_parts must be a positive integer")
-    if request.part_idx >= request.num_parts:
-        raise InvalidItemError(f"part_idx must be in [0, {request.num_parts})")
 
 
 def _endpoint(host: str, port: int) -> str:

@@ -1,0 +1,121 @@
+"""One call's items on their way to its receiver, for Encode, Fetch and SGLang's Encode: each item's
+header (with its lease), its payload in shared memory or as chunks, the stream budget's charge and
+watchdog clock, and the metrics event of each item sent."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import KW_ONLY, dataclass
+
+import grpc
+
+from protos import encoder_pb2 as pb
+
+from .leases import LeaseStore
+from .metrics import RequestRecord
+from .payload import ItemPayload
+from .shm import ShmCall
+from .streams import StreamCharge, StreamCut
+
+# What a payload source yields: the item's index in the call, its payload, whether the cache had it,
+# and its content key (None when nothing wants one).
+ItemOut = tuple[int, ItemPayload, bool, "bytes | None"]
+
+
+@dataclass(eq=False)
+class ItemSender:
+    """Sends one call's items. `shm`: the call's shared-memory offer (gRPC streams only); `lease`: the
+    Encode request's lease ask, granted per item from `leases`."""
+
+    context: grpc.aio.ServicerContext
+    charge: StreamCharge
+    record: RequestRecord
+    shm: ShmCall | None = None
+    _: KW_ONLY
+    leases: LeaseStore | None = None
+    lease: pb.LeaseRequest | None = None
+
+    async def send_all(self, payloads: AsyncIterator[ItemOut]) -> None:
+        """Sends every item `payloads` yields, in its order; shared-memory segments are handed over once
+        the stream completed, and taken back otherwise."""
+        shm = self.shm or ShmCall(None, pb.EncodeRequest())
+        try:
+            async with contextlib.aclosing(payloads) as items:
+                async for index, payload, cache_hit, key in items:
+                    await self._send(shm, index, payload, cache_hit, key)
+            shm.hand_over()
+        finally:
+            shm.close()
+
+    async def _send(
+        self, shm: ShmCall, index: int, payload: ItemPayload, cache_hit: bool, key: bytes | None
+    ) -> None:
+        message = payload.header_message(index, cache_hit)
+        lease = self.lease
+        if lease is not None:
+            message.header.lease.CopyFrom(self.leases.grant(key, payload, lease.ttl_ms))
+        # No chunks follow a payload withheld for its Fetch, or placed in shared memory.
+        withheld = lease is not None and lease.withhold_payload
+        placed = withheld or shm.place(message.header, payload.payload_views())
+        started = time.perf_counter()
+        await self._write(message)
+        if not placed:
+            try:
+                for chunk in payload.chunks():
+                    await self._write(chunk)
+            except BaseException:
+                payload.finish_framing()  # the payload may live on in the cache: not as tensors and chunks
+                raise
+        self.charge.release(index)
+        self.record.item_sent(
+            message.header,
+            response_bytes=message.ByteSize() + (0 if placed else payload.nbytes),
+            stream_s=time.perf_counter() - started,
+        )
+
+    async def _write(self, message: pb.EncodeResponse | bytes) -> None:
+        """Hands one message to gRPC. The write runs as its own task: when the budget cuts the stream
+        (cancelling this call), the message stays inside gRPC, and the charge follows it (StreamCut)."""
+        charge = self.charge
+        # When it began waiting for the receiver: the budget's watchdog cuts a stream stuck too long.
+        charge.sending_since = time.monotonic()
+        write = asyncio.ensure_future(self.context.write(message))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            if charge.cut_why is None:  # the call itself was cancelled: its receiver went
+                write.cancel()
+                raise
+            # It fails once the receiver goes: expected, and retrieved whoever still waits on it then.
+            write.add_done_callback(_retrieve)
+            nbytes = len(message) if isinstance(message, bytes) else message.ByteSize()
+            raise StreamCut(write, nbytes, charge.cut_why) from None
+        charge.sending_since = None
+
+    async def push(
+        self, headers: Sequence[pb.ItemHeader], transfer: Awaitable[None], response_bytes: Sequence[int]
+    ) -> None:
+        """Awaits a transfer made outside gRPC (SGLang's ZMQ push of a part), under the watchdog's clock,
+        then reports each of its items sent with the bytes it took."""
+        self.charge.sending_since = time.monotonic()
+        started = time.perf_counter()
+        await transfer
+        self.charge.sending_since = None
+        seconds = time.perf_counter() - started
+        for header, nbytes in zip(headers, response_bytes):
+            self.record.item_sent(header, response_bytes=nbytes, stream_s=seconds)
+
+
+def _retrieve(write: asyncio.Future) -> None:
+    if not write.cancelled():
+        write.exception()
+
+
+async def leased_payloads(payloads: Sequence[ItemPayload], charge: StreamCharge) -> AsyncIterator[ItemOut]:
+    """Leased items for a Fetch, in order, each charged to the stream budget while it is sent."""
+    for index, payload in enumerate(payloads):
+        await charge.reserve(index, payload.nbytes)
+        yield index, payload, False, None

@@ -1,0 +1,237 @@
+"""Never-reading clients against one encoder server with default flags: how much the server's memory grows,
+whether a reading client is served throughout, and whether health stays SERVING.
+
+Each stalled client opens its own channel (a gRPC client whose HTTP/2 window stays at 64 KiB, so gRPC
+cannot take a payload off the server into the client either), asks for a distinct ~7 MiB item (the
+built-in model: Qwen2.5-VL's 2048-wide embedding, 1792 tokens for a 1568x896 image), reads the
+header and nothing more. They arrive in waves while a reader encodes an image of its own every
+`--reader-interval-s` and a health probe runs twice a second. Loopback only; bounded in clients and time.
+
+`--encoder tower` (default) serves the built-in model's real tower (`python -m encoder_server`, default
+flags). `--encoder made-up` serves the same checkpoint and default settings with an encoder that
+makes up a fresh 1792 x 2048 output per item at no compute (testkit's EncoderDouble): the server's
+buffering is the same, and a run of a thousand clients does not wait on hundreds of CPU forwards.
+
+    .venv/bin/python scripts/stalled_clients.py --clients 1000 --encoder made-up
+
+Prints one JSON line; exits 1 when a reader call failed, health left SERVING, or the growth passed
+`--max-growth-gib`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import io
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from protos import encoder_pb2 as pb  # noqa: E402
+from receiver import EncoderReceiver  # noqa: E402
+from testkit.launcher import LaunchedProcess, launch_server, start_process  # noqa: E402
+
+# 56 x 32 merged patches of 28 pixels: 1792 tokens, x 2048 bf16 = 7 MiB.
+IMAGE_SIZE = (1568, 896)
+ITEM_BYTES = 1792 * 2048 * 2
+NEVER_READS = [("grpc.http2.bdp_probe", 0)]
+
+
+def distinct_image(seed: int) -> bytes:
+    """A plain PNG of a colour of its own: a distinct item (its own cache key) that costs little to send."""
+    image = Image.new("RGB", IMAGE_SIZE, (seed % 256, (seed // 256) % 256, 77))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """The process's resident set now and at its peak (VmRSS, VmHWM), in MiB."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    return {key: int(fields[key].split()[0]) / 1024 for key in ("VmRSS", "VmHWM")}
+
+
+async def stall(channel: grpc.aio.Channel, seed: int, image: bytes, deadline_s: float) -> tuple[str, grpc.aio.Call]:
+    """One never-reading client: its call and how it began (header, or the status it was refused with)."""
+    item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image)
+    request = pb.EncodeRequest(request_id=f"stalled-{seed}", items=[item])
+    call = channel.unary_stream(
+        "/encoder.v1.EncoderService/Encode",
+        request_serializer=pb.EncodeRequest.SerializeToString,
+        response_deserializer=pb.EncodeResponse.FromString,
+    )(request, timeout=deadline_s)
+    try:
+        began = "header" if (await call.read()).HasField("header") else "chunk"
+    except grpc.aio.AioRpcError as exc:
+        began = exc.code().name
+    return began, call
+
+
+async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
+    url = f"grpc://127.0.0.1:{port}"
+    health_problems: list[str] = []
+    health_seconds: list[float] = []
+    reader = {"served": 0, "failed": [], "seconds": []}
+    stop = asyncio.Event()
+    async with EncoderReceiver([url]) as rx, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as probe:
+        for seed in range(3):  # the steady state of serving readers: heap, gRPC buffers, threads
+            await rx.encode(f"warm-{seed}", [{"data": distinct_image(100_000 + seed)}], timeout=120)
+        before = memory_mib(pid)
+
+        async def read_throughout() -> None:
+            seed = 200_000
+            while not stop.is_set():
+                seed += 1
+                image = await asyncio.to_thread(distinct_image, seed)  # off the loop: the health probe runs on it
+                started = time.perf_counter()
+                try:
+                    result = await rx.encode(f"reader-{seed}", [{"data": image}], timeout=60)
+                    item = result.items[0].embedding
+                    assert item.numel() * item.element_size() == ITEM_BYTES, item.shape
+                    reader["served"] += 1
+                    reader["seconds"].append(time.perf_counter() - started)
+                except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                    reader["failed"].append(f"{type(exc).__name__}: {exc}"[:300])
+                await asyncio.sleep(args.reader_interval_s)
+
+        async def watch_health() -> None:
+            stub = health_pb2_grpc.HealthStub(probe)
+            while not stop.is_set():
+                asked = time.perf_counter()
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=args.health_timeout_s)
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                        health_problems.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+                except grpc.aio.AioRpcError as exc:
+                    health_problems.append(exc.code().name)
+                health_seconds.append(time.perf_counter() - asked)
+                await asyncio.sleep(0.5)
+
+        images = await asyncio.to_thread(lambda: [distinct_image(seed) for seed in range(args.clients)])
+        background = [asyncio.ensure_future(read_throughout()), asyncio.ensure_future(watch_health())]
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=NEVER_READS) for _ in range(args.clients)]
+        began: collections.Counter[str] = collections.Counter()
+        calls = []
+        started = time.monotonic()
+        try:
+            for first in range(0, args.clients, args.wave):
+                wave = range(first, min(first + args.wave, args.clients))
+                results = await asyncio.gather(*(stall(channels[i], i, images[i], args.deadline_s) for i in wave))
+                began.update(kind for kind, _ in results)
+                calls += [call for _, call in results]
+                await asyncio.sleep(args.wave_interval_s)
+            await asyncio.sleep(args.hold_s)  # all of them stalled at once, the reader still going
+        finally:
+            stop.set()
+            await asyncio.gather(*background)
+            after = memory_mib(pid)
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*(channel.close() for channel in channels))
+    grown = after["VmHWM"] - before["VmRSS"]
+    return {
+        "clients": args.clients,
+        "stalled_began": dict(began),
+        "seconds": round(time.monotonic() - started, 1),
+        "rss_before_mib": round(before["VmRSS"]),
+        "rss_peak_mib": round(after["VmHWM"]),
+        "rss_growth_mib": round(grown),
+        "reader_served": reader["served"],
+        "reader_failed": reader["failed"],
+        "reader_slowest_s": round(max(reader["seconds"], default=0.0), 2),
+        "health_not_serving": health_problems,
+        "health_probes": len(health_seconds),
+        "health_slowest_s": round(max(health_seconds, default=0.0), 2),
+    }
+
+
+def serve_made_up(model: str) -> None:
+    """The server of `--encoder made-up`: default settings, outputs made up afresh for every item."""
+    import torch
+
+    from encoder_common.malloc import tune_malloc
+    from encoder_server.models import ImageEmbedding
+    from encoder_server.server import EncoderServer
+    from testkit.encoders import EncoderDouble
+    from testkit.servers import server_config
+
+    class FreshEncoder(EncoderDouble):
+        # A new tensor per item, as a real forward makes: nothing is shared between calls.
+        def encode(self, batch):
+            return [ImageEmbedding(out.embedding.clone()) for out in super().encode(batch)]
+
+    tune_malloc()  # as the encoder-server CLI does
+
+    async def serve() -> None:
+        server = EncoderServer(server_config(model, dtype=torch.bfloat16), encoder=FreshEncoder(tokens=1792))
+        await server.start()
+        print(f"ready on 127.0.0.1:{server.port}", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+@contextlib.contextmanager
+def launched(args: argparse.Namespace, model: Path, workdir: Path) -> Iterator[LaunchedProcess]:
+    if args.encoder == "tower":
+        with launch_server(model, *args.server_flags, log_dir=workdir) as server:
+            yield server
+        return
+    server = start_process([sys.executable, __file__, "--serve-made-up", str(model)], workdir / "server.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--serve-made-up"]:
+        serve_made_up(sys.argv[2])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=1000)
+    p.add_argument("--wave", type=int, default=50, help="stalled clients arriving at once")
+    p.add_argument("--wave-interval-s", type=float, default=0.5)
+    p.add_argument("--hold-s", type=float, default=10.0, help="time all of them stay stalled at the end")
+    p.add_argument("--deadline-s", type=float, default=300.0, help="the stalled calls' own deadline")
+    p.add_argument("--reader-interval-s", type=float, default=0.25)
+    p.add_argument("--health-timeout-s", type=float, default=5.0)
+    p.add_argument("--max-growth-gib", type=float, default=2.0)
+    p.add_argument("--encoder", choices=("tower", "made-up"), default="tower")
+    p.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in model, written afresh)")
+    p.add_argument(
+        "server_flags", nargs="*", help="server flags after --, e.g. -- --stream-buffer-bytes 67108864"
+    )
+    args = p.parse_args()
+    if not 1 <= args.clients <= 5000:
+        p.error("--clients must be between 1 and 5000")
+    with tempfile.TemporaryDirectory(prefix="stalled-clients-") as workdir:
+        model = args.model
+        if model is None:
+            from testkit.default_model import write_default_model
+
+            model = write_default_model(Path(workdir) / "model")
+        if args.server_flags and args.encoder != "tower":
+            p.error("server flags go with --encoder tower only (made-up runs the defaults)")
+        with launched(args, model, Path(workdir)) as server:
+            summary = asyncio.run(run(args, server.port, server.process.pid))
+        summary.update(encoder=args.encoder, server_flags=args.server_flags)
+    print(json.dumps(summary), flush=True)
+    ok = not summary["reader_failed"] and summary["reader_served"] > 0 and not summary["health_not_serving"]
+    sys.exit(0 if ok and summary["rss_growth_mib"] <= args.max_growth_gib * 1024 else 1)
+
+
+if __name__ == "__main__":
+    main()
