@@ -1,0 +1,155 @@
+"""The failover loop: runs a request's shard calls on the encoders and re-places the items of every
+shard that failed, until all items are in or the request cannot succeed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from encoder_common.errors import Failover
+from protos import encoder_pb2 as pb
+
+from .channels import ClientTls, EncoderEndpoint
+from .discovery import EncoderDiscovery, EndpointPool, Resolver
+from .errors import ShardError
+from .health import FailoverPolicy, HealthTracker
+from .metrics import ReceiverMetrics
+from .placement import RequestPlacement
+from .result import ItemResult
+from .shard_call import encode_shard
+from .shm import ShmReceiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fleet:
+    """What every request of one receiver shares: the encoders, what is believed of their health,
+    the failover settings, the shared-memory transport and the counters."""
+
+    pool: EndpointPool
+    discovery: EncoderDiscovery
+    health: HealthTracker
+    policy: FailoverPolicy
+    metrics: ReceiverMetrics
+    shm: ShmReceiver | None
+    rng: random.Random  # the random sharding's
+    jitter: random.Random  # back-off jitter
+
+    @classmethod
+    def connect(
+        cls,
+        urls: Sequence[str],
+        *,
+        tls: ClientTls | None,
+        auth_token: str | None,
+        resolver: Resolver,
+        refresh_s: float,
+        close_grace_s: float,
+        policy: FailoverPolicy,
+        metrics: ReceiverMetrics,
+        shm: ShmReceiver | None,
+        seed: int | None,
+    ) -> Fleet:
+        """The fleet behind `urls`; channels open on first use, one per encoder."""
+        discovery = EncoderDiscovery(urls, resolver=resolver, refresh_s=refresh_s, metrics=metrics)
+        pool = EndpointPool(
+            discovery,
+            close_grace_s=close_grace_s,
+            connect=lambda url: EncoderEndpoint.connect(url, tls=tls, auth_token=auth_token),
+        )
+        health = HealthTracker(policy)
+        return cls(pool, discovery, health, policy, metrics, shm, rng=random.Random(seed), jitter=random.Random())
+
+    def shard_failed(self, error: ShardError) -> None:
+        """Counts the failure; an unreachable encoder makes discovery re-resolve and skip it a while."""
+        self.metrics.shard_failed(error.encoder_url, error.status)
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            self.discovery.report_failure(error.encoder_url)
+
+
+async def encode_with_failover(
+    fleet: Fleet,
+    request_id: str,
+    sources: Mapping[int, bytes],
+    deadline: float,
+    results: dict[int, ItemResult],
+    *,
+    num_items_assigned: Sequence[int] | None = None,
+    lease: pb.Lease | None = None,
+) -> None:
+    """Places `sources` (image bytes by item index) on encoders, and re-places those of every failed
+    shard, until all are in `results`.
+
+    `RequestPlacement` decides what each failure means; this loop runs the calls it plans. Items an
+    encoder refused as overloaded wait out their back-off on a timer while the other shards go on.
+    Encoders are looked up again (and `dns:` names re-resolved when due) at each placement, so
+    re-placed items can land on pods that just appeared.
+    """
+    placement = RequestPlacement(
+        request_id, sources, deadline, fleet.policy, num_items_assigned=num_items_assigned, jitter=fleet.jitter
+    )
+    running: dict[asyncio.Task, EncoderEndpoint | None] = {}  # shard calls; back-off timers map to None
+
+    def arrived(result: ItemResult) -> None:
+        results[result.index] = result
+        placement.item_arrived(result)
+
+    def shard(encoder: EncoderEndpoint, indices: list[int]):
+        items = [(index, sources[index]) for index in indices]
+        return encode_shard(
+            encoder, request_id, items,
+            deadline=deadline, policy=fleet.policy, arrived=arrived, shm=fleet.shm, lease=lease,
+        )  # fmt: skip
+
+    def settle(encoder: EncoderEndpoint, error: ShardError | None) -> None:
+        """A shard ended: its encoder is healthy, or its items go elsewhere or wait out a back-off."""
+        if error is None:
+            fleet.health.of(encoder).mark_healthy()
+            return
+        fleet.shard_failed(error)
+        retry = placement.shard_failed(error)  # raises when the request cannot succeed
+        if retry.failover is Failover.BACK_OFF:  # overloaded is not broken: not benched for others
+            fleet.metrics.retry(encoder.url, len(retry.item_indices))
+            timer = asyncio.sleep(retry.delay_s, result=retry.item_indices)
+            running[asyncio.create_task(timer)] = None
+        else:
+            fleet.health.of(encoder).mark_failed(f"{error.status}: {error.message}")
+            fleet.metrics.failover(encoder.url, len(retry.item_indices))
+            log.warning("request %s: %s; re-placing its items", request_id, error)
+
+    try:
+        while True:
+            if placement.pending:
+                known = await fleet.pool.endpoints()
+                usable = await fleet.health.usable(known, placement.benched, deadline)
+                planned = placement.plan(usable, len(known), fleet.rng)
+                shards = [(encoder, shard(encoder, indices)) for encoder, indices in planned]
+                if len(shards) == 1 and not running:
+                    # A lone call (all items on one encoder, nothing else pending) runs in this task:
+                    # no task and no wait of its own. Its gRPC deadline is the request's.
+                    encoder, call = shards[0]
+                    settle(encoder, await call)
+                    continue
+                for encoder, call in shards:
+                    running[asyncio.create_task(call)] = encoder
+            if not running:
+                return
+            time_left = placement.time_left()
+            finished, _ = await asyncio.wait(running, timeout=time_left, return_when=asyncio.FIRST_COMPLETED)
+            if not finished:
+                raise placement.deadline_passed()
+            for task in finished:
+                encoder = running.pop(task)
+                if encoder is None:  # a back-off timer: its items are due again
+                    placement.due_again(task.result())
+                else:
+                    settle(encoder, task.result())
+    finally:
+        for task in running:
+            task.cancel()
