@@ -54,6 +54,15 @@ class FaultProxy:
     def resume(self) -> None:
         self._flowing.set()
 
+    def cut(self) -> None:
+        """Ends every connection now, dropping what is held, as a killed process's peer sees it: the
+        receiver reads what was relayed before, then the connection's end. New connections are refused."""
+        self._cut = True
+        self._flowing.set()  # held pumps wake up and find the connections closed
+        # A close, not a reset: a reset would discard what the receiver has not read yet.
+        for writer in list(self._writers):
+            writer.close()
+
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         if self._cut:
             client_writer.transport.abort()
@@ -86,6 +95,8 @@ class FaultProxy:
                         if self._cut:
                             return
                 await self._flowing.wait()
+                if self._cut:  # cut while held: what was held is dropped, never sent late
+                    return
                 await self._write(writer, data)
         writer.close()  # one side ended: end the other, after what it has been sent
 
@@ -100,10 +111,7 @@ class FaultProxy:
         if self._hang:
             self._flowing.clear()
         else:
-            self._cut = True
-            # A close, not a reset: a reset would discard what the receiver has not read yet.
-            for writer in list(self._writers):
-                writer.close()
+            self.cut()
 
     def _abort_all(self) -> None:
         for writer in list(self._writers):
