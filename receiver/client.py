@@ -6,7 +6,6 @@ one encoder (with its stall watch) is `receiver.shard_call`, where items go is `
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,13 +18,15 @@ from .assembly import Allocator
 from .channels import ClientTls, EncoderEndpoint
 from .discovery import DEFAULT_REFRESH_S, Resolver, resolve_all
 from .errors import EncodeFailedError
-from .failover import Fleet, encode_with_failover
+from .affinity import DEFAULT_BALANCE
+from .failover import Fleet, encode_items
 from .fetch import fetch_leased
 from .health import FailoverPolicy
-from .items import check_items, read_image_bytes
+from .item_cache import ItemCache
+from .items import check_items
 from .metrics import ReceiverMetrics
 from .result import EncodeResult, ItemResult
-from .served_model import ServedModel
+from .request_items import ServedModel, sort_items
 from .shm import ShmReceiver, TransferStats
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -34,15 +35,12 @@ DEFAULT_TIMEOUT_S = 60.0
 class EncoderReceiver:
     """Places each request's image items on encoder servers and reassembles their embeddings.
 
-    When an encoder fails (unreachable, UNAVAILABLE, INTERNAL, a broken or stalled stream), the items
-    it did not finish are re-placed on the other encoders within the request's deadline; finished
-    items are kept, half-received ones start over. Failed encoders are skipped by later requests
-    until a health probe finds them SERVING again; an overloaded encoder's items are retried after a
-    back-off; an invalid item, refused credentials or the deadline fail the request at once
-    (`encoder_common.errors.Failover`; see `placement.RequestPlacement`).
-
-    Use it as an async context manager (or call `close()`); one channel per encoder URL is opened
-    once and shared by every `encode` call, which may run concurrently.
+    A failed encoder's unfinished items are re-placed on the others within the request's deadline
+    (finished ones kept, half-received ones started over) and it is skipped until a health probe finds
+    it SERVING; an overloaded one's items are retried after a back-off; an invalid item, refused
+    credentials or the deadline fail the request (`encoder_common.errors.Failover`, `placement`).
+    Use it as an async context manager (or call `close()`); its channels, one per encoder URL, are
+    shared by every `encode` call, which may run concurrently.
     """
 
     def __init__(
@@ -60,6 +58,9 @@ class EncoderReceiver:
         metrics: ReceiverMetrics | None = None,
         transfer: str = "auto",
         hidden_size: int | None = None,
+        placement: str = "random",
+        balance: float = DEFAULT_BALANCE,
+        cache_bytes: int = 0,
     ):
         """
         Args:
@@ -70,16 +71,17 @@ class EncoderReceiver:
             seed: seeds the random sharding (for tests and reproducible runs).
             file_roots: directories `file://` items may be read from; None allows any path.
             failover: retry, stall-detection and back-off settings.
-            tls: CAs to trust and client certificate (mTLS) for `grpcs://` URLs.
-            auth_token: sent as `authorization: Bearer <token>` on every call.
-            resolver: resolves a `dns:` name; the system resolver unless a test brings its own.
-            refresh_s: re-resolve `dns:` names when their addresses are older than this.
+            tls, auth_token: CAs and client certificate for `grpcs://`; a bearer token for every call.
+            resolver, refresh_s: resolve `dns:` names (the system resolver by default), this often.
             metrics: counters to record into (shared between receivers if given).
             transfer: "auto": through shared memory from encoders that prove they share this host
                 (started with --shm-transfer), the gRPC stream otherwise; "shm": shared memory or
                 SharedMemoryUnavailableError; "grpc": the stream only.
             hidden_size: the embedding width precomputed items are checked against while no
                 ModelInfo has been fetched (a request of precomputed items only fetches none).
+            placement: "random" (count-balanced random shards) or "affinity" (by content key, see
+                `receiver.affinity`; no encoder takes more than ceil(`balance` x mean) of a request).
+            cache_bytes: the receiver's embedding cache (`receiver.item_cache`), 0 for none.
         """
         if not urls:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
@@ -92,8 +94,9 @@ class EncoderReceiver:
         self.metrics = metrics or ReceiverMetrics()
         self._fleet = Fleet.connect(
             self.urls, tls=tls, auth_token=auth_token, resolver=resolver, refresh_s=refresh_s, close_grace_s=timeout,
-            policy=self.failover, metrics=self.metrics, shm=self._shm, seed=seed,
+            policy=self.failover, metrics=self.metrics, shm=self._shm, seed=seed, placement=placement, balance=balance,
         )  # fmt: skip
+        self.cache = ItemCache(cache_bytes) if cache_bytes else None
         self.discovery = self._fleet.discovery
         self._served = ServedModel(self._fleet.pool, timeout, hidden_size)
 
@@ -149,6 +152,7 @@ class EncoderReceiver:
         InvalidItemError before any Encode call, and EncodeFailedError (what happened to each item)
         when an item is refused as invalid, no encoder can serve it, or the deadline passes.
 
+        The receiver cache serves items without an RPC unless the call fixes counts or asks for a lease.
         With `lease_ms`, each encoder keeps the items it encoded for a later `fetch` (by
         `ItemResult.lease.key`) that long at most; with `withhold_payloads` too, only headers come
         back (embeddings on the meta device) and the payloads wait on the encoders for their Fetch.
@@ -160,23 +164,16 @@ class EncoderReceiver:
         started = time.perf_counter()
         results: dict[int, ItemResult] = {}
         try:
-            results = await self._served.precomputed_results(items)
-            raw = [index for index in range(len(items)) if index not in results]
-            if all(items[index].get("data") is not None for index in raw):  # nothing to read: no thread hop
-                sources = self._read_sources(items, raw)
-            else:
-                sources = await asyncio.to_thread(self._read_sources, items, raw)
+            results, sources = await sort_items(self._served, items, self.file_roots)
             deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
-            await encode_with_failover(
-                self._fleet, request_id, sources, deadline, results, num_items_assigned=num_items_assigned, lease=lease
-            )
+            await encode_items(
+                self._fleet, self.cache, request_id, sources, deadline, results,
+                num_items_assigned=num_items_assigned, lease=lease,
+            )  # fmt: skip
         finally:
             done = len(results) == len(items)
             self.metrics.request_done(time.perf_counter() - started, list(results.values()) if done else None)
         return EncodeResult(request_id, [results[i] for i in range(len(items))])
-
-    def _read_sources(self, items: Sequence[Mapping[str, Any]], indices: Sequence[int]) -> dict[int, bytes]:
-        return {index: read_image_bytes(items[index], index, self.file_roots) for index in indices}
 
     async def fetch(
         self,
@@ -188,10 +185,8 @@ class EncoderReceiver:
         timeout: float | None = None,
     ) -> ItemResult:
         """A leased item (see `encode(lease_ms=...)`) by its key, received into a tensor from `allocate`.
-
-        Asks `prefer_url` first (the encoder that encoded it), then the other encoders. Raises
-        receiver.fetch.FetchFailedError, with each encoder's answer, when none streams it.
-        """
+        Asks `prefer_url` first (the encoder that encoded it), then the others; raises
+        receiver.fetch.FetchFailedError, with each encoder's answer, when none streams it."""
         endpoints = await self._fleet.pool.endpoints()
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         return await fetch_leased(

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -18,13 +19,17 @@ from .channels import ClientTls, EncoderEndpoint
 from .discovery import EncoderDiscovery, EndpointPool, Resolver
 from .errors import ShardError
 from .health import FailoverPolicy, HealthTracker
+from .item_cache import ItemCache
 from .metrics import ReceiverMetrics
-from .placement import RequestPlacement
+from .affinity import DEFAULT_BALANCE, content_key
+from .placement import Affinity, RequestPlacement
 from .result import ItemResult
 from .shard_call import encode_shard
 from .shm import ShmReceiver
 
 log = logging.getLogger(__name__)
+
+PLACEMENTS = ("random", "affinity")
 
 
 @dataclass
@@ -40,6 +45,9 @@ class Fleet:
     shm: ShmReceiver | None
     rng: random.Random  # the random sharding's
     jitter: random.Random  # back-off jitter
+    placement: str = "random"  # or "affinity" (receiver.affinity)
+    balance: float = DEFAULT_BALANCE  # affinity's bound on one encoder's share, x the mean
+    in_flight: Counter[str] = field(default_factory=Counter)  # items sent and not yet settled, by encoder URL
 
     @classmethod
     def connect(
@@ -55,6 +63,8 @@ class Fleet:
         metrics: ReceiverMetrics,
         shm: ShmReceiver | None,
         seed: int | None,
+        placement: str = "random",
+        balance: float = DEFAULT_BALANCE,
     ) -> Fleet:
         """The fleet behind `urls`; channels open on first use, one per encoder."""
         discovery = EncoderDiscovery(urls, resolver=resolver, refresh_s=refresh_s, metrics=metrics)
@@ -64,13 +74,49 @@ class Fleet:
             connect=lambda url: EncoderEndpoint.connect(url, tls=tls, auth_token=auth_token),
         )
         health = HealthTracker(policy)
-        return cls(pool, discovery, health, policy, metrics, shm, rng=random.Random(seed), jitter=random.Random())
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if balance < 1.0:
+            raise ValueError(f"balance must be at least 1.0, got {balance}")
+        rngs = {"rng": random.Random(seed), "jitter": random.Random()}
+        return cls(pool, discovery, health, policy, metrics, shm, **rngs, placement=placement, balance=balance)
 
     def shard_failed(self, error: ShardError) -> None:
         """Counts the failure; an unreachable encoder makes discovery re-resolve and skip it a while."""
         self.metrics.shard_failed(error.encoder_url, error.status)
         if error.code == grpc.StatusCode.UNAVAILABLE:
             self.discovery.report_failure(error.encoder_url)
+
+
+async def encode_items(
+    fleet: Fleet,
+    cache: ItemCache | None,
+    request_id: str,
+    sources: Mapping[int, bytes],
+    deadline: float,
+    results: dict[int, ItemResult],
+    *,
+    num_items_assigned: Sequence[int] | None = None,
+    lease: pb.Lease | None = None,
+) -> None:
+    """Puts every item of `sources` (image bytes by index) in `results`: from the receiver cache when
+    there is one, else through `encode_with_failover`. Content keys are computed here, once per item,
+    when the cache or affinity placement needs them. Calls that fix counts or ask for a lease bypass
+    the cache: a lease is had only from an encoder that just encoded the item."""
+    keyed = cache is not None or fleet.placement == "affinity"
+    keys = {index: content_key(data) for index, data in sources.items()} if keyed else None
+
+    async def encode(indices: Sequence[int]) -> None:
+        shard = {index: sources[index] for index in indices}
+        await encode_with_failover(
+            fleet, request_id, shard, deadline, results, num_items_assigned=num_items_assigned, lease=lease, keys=keys
+        )
+
+    if cache is None or lease is not None or num_items_assigned is not None:
+        await encode(list(sources))
+        return
+    hits, misses = await cache.encode_through(keys, results, encode)
+    fleet.metrics.cache_looked_up(hits, misses, cache.bytes)
 
 
 async def encode_with_failover(
@@ -82,6 +128,7 @@ async def encode_with_failover(
     *,
     num_items_assigned: Sequence[int] | None = None,
     lease: pb.Lease | None = None,
+    keys: Mapping[int, bytes] | None = None,
 ) -> None:
     """Places `sources` (image bytes by item index) on encoders, and re-places those of every failed
     shard, until all are in `results`.
@@ -89,23 +136,33 @@ async def encode_with_failover(
     `RequestPlacement` decides what each failure means; this loop runs the calls it plans. Items an
     encoder refused as overloaded wait out their back-off on a timer while the other shards go on.
     Encoders are looked up again (and `dns:` names re-resolved when due) at each placement, so
-    re-placed items can land on pods that just appeared.
+    re-placed items can land on pods that just appeared. Under affinity placement `keys` holds each
+    item's content key (`affinity.content_key`).
     """
+    by_content = None
+    if fleet.placement == "affinity":
+        keys = keys if keys is not None else {index: content_key(data) for index, data in sources.items()}
+        by_content = Affinity(keys, fleet.balance, fleet.in_flight)
     placement = RequestPlacement(
-        request_id, sources, deadline, fleet.policy, num_items_assigned=num_items_assigned, jitter=fleet.jitter
-    )
+        request_id, sources, deadline, fleet.policy,
+        num_items_assigned=num_items_assigned, jitter=fleet.jitter, affinity=by_content,
+    )  # fmt: skip
     running: dict[asyncio.Task, EncoderEndpoint | None] = {}  # shard calls; back-off timers map to None
 
     def arrived(result: ItemResult) -> None:
         results[result.index] = result
         placement.item_arrived(result)
 
-    def shard(encoder: EncoderEndpoint, indices: list[int]):
+    async def shard(encoder: EncoderEndpoint, indices: list[int]) -> ShardError | None:
         items = [(index, sources[index]) for index in indices]
-        return encode_shard(
-            encoder, request_id, items,
-            deadline=deadline, policy=fleet.policy, arrived=arrived, shm=fleet.shm, lease=lease,
-        )  # fmt: skip
+        fleet.in_flight[encoder.url] += len(items)
+        try:
+            return await encode_shard(
+                encoder, request_id, items,
+                deadline=deadline, policy=fleet.policy, arrived=arrived, shm=fleet.shm, lease=lease,
+            )  # fmt: skip
+        finally:
+            fleet.in_flight[encoder.url] -= len(items)
 
     def settle(encoder: EncoderEndpoint, error: ShardError | None) -> None:
         """A shard ended: its encoder is healthy, or its items go elsewhere or wait out a back-off."""
@@ -153,3 +210,4 @@ async def encode_with_failover(
     finally:
         for task in running:
             task.cancel()
+        fleet.metrics.placed(placement.placed)
