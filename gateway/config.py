@@ -52,6 +52,18 @@ class GatewayConfig:
             choices=("inline", "connector"),
         ),
     )
+    placement: str = field(
+        default="random",
+        metadata=flag(
+            "how items are placed on encoders: random, or affinity (by content: a repeated image goes to "
+            "the encoder that has it cached)",
+            choices=("random", "affinity"),
+        ),
+    )
+    receiver_cache_bytes: int = field(
+        default=0,
+        metadata=flag("embeddings kept here to serve repeated images without an encoder call, bytes (0: none)"),
+    )
     lease_ttl_s: float = field(
         default=60.0,
         metadata=flag(
