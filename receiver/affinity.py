@@ -10,12 +10,15 @@ encoder of its own ranking, so a popular image still lands on the same few encod
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
 
 DEFAULT_BALANCE = 1.25
+# Keys whose encoders the receiver remembers: ~100 bytes each, so about 10 MB at most.
+DEFAULT_MEMORY_KEYS = 100_000
 
 
 def content_key(data: bytes) -> bytes:
@@ -41,6 +44,24 @@ def request_cap(num_items: int, num_encoders: int, balance: float) -> int:
     return max(1, math.ceil(balance * num_items / num_encoders))
 
 
+class PlacementMemory:
+    """The encoders each key was sent to lately (an LRU of keys): an item that must spill goes to one
+    that already encoded it, so the balance bound costs no forward where it can be helped."""
+
+    def __init__(self, max_keys: int = DEFAULT_MEMORY_KEYS):
+        self.max_keys = max_keys
+        self._sent: OrderedDict[bytes, set[str]] = OrderedDict()
+
+    def holders(self, key: bytes) -> set[str]:
+        return self._sent.get(key, set())
+
+    def sent(self, key: bytes, url: str) -> None:
+        self._sent.setdefault(key, set()).add(url)
+        self._sent.move_to_end(key)
+        if len(self._sent) > self.max_keys:
+            self._sent.popitem(last=False)
+
+
 @dataclass(frozen=True)
 class AffinityPlan:
     """Where each item goes (a position in the encoder list, per item) and how many did not get their
@@ -56,12 +77,16 @@ def place(
     *,
     balance: float = DEFAULT_BALANCE,
     in_flight: Mapping[str, int] | None = None,
+    memory: PlacementMemory | None = None,
 ) -> AffinityPlan:
-    """Places items (by content key, in request order) on `urls`.
+    """Places items (by content key) on `urls`; each goes to the first encoder of its ranking with room.
 
     Hard bound: no encoder takes more than `request_cap` of these items. Soft bound, across requests:
     an encoder whose items in flight (`in_flight`, by URL) plus these would pass ceil(balance x the
     fleet's mean) is passed over while another in the item's ranking has room under both bounds.
+    With a `memory`, items that already went to encoders with room are placed first, on the best
+    ranked of those: when two items rank the same encoder first, the one that loses it goes where it
+    was encoded before rather than forcing a new forward. The memory learns this plan.
     """
     if not urls:
         raise ValueError("no encoders to place items on")
@@ -71,14 +96,25 @@ def place(
     cap = request_cap(len(keys), len(urls), balance)
     fleet_cap = math.ceil(balance * (len(keys) + sum(busy)) / len(urls))
     taken = [0] * len(urls)
-    chosen: list[int] = []
-    spilled = 0
-    for key in keys:
-        order = ranking(key, urls)
-        fits = [e for e in order if taken[e] < cap]  # never empty: cap x encoders >= items
+    orders = [ranking(key, urls) for key in keys]
+    chosen: list[int | None] = [None] * len(keys)
+
+    def take(item: int, candidates: list[int]) -> None:
+        fits = [e for e in candidates if taken[e] < cap]
         roomy = [e for e in fits if busy[e] + taken[e] < fleet_cap]
-        encoder = (roomy or fits)[0]
-        taken[encoder] += 1
-        chosen.append(encoder)
-        spilled += encoder != order[0]
+        if fits:
+            chosen[item] = (roomy or fits)[0]
+            taken[chosen[item]] += 1
+
+    if memory is not None:
+        known = [[e for e in order if urls[e] in memory.holders(key)] for key, order in zip(keys, orders)]
+        for item in sorted((i for i in range(len(keys)) if known[i]), key=lambda i: len(known[i])):
+            take(item, known[item])  # fewest known encoders first: they have the least choice
+    for item in range(len(keys)):
+        if chosen[item] is None:
+            take(item, orders[item])  # never finds no room: cap x encoders >= items
+    if memory is not None:
+        for key, encoder in zip(keys, chosen):
+            memory.sent(key, urls[encoder])
+    spilled = sum(encoder != order[0] for encoder, order in zip(chosen, orders))
     return AffinityPlan(chosen, spilled)

@@ -21,7 +21,7 @@ from .errors import ShardError
 from .health import FailoverPolicy, HealthTracker
 from .item_cache import ItemCache
 from .metrics import ReceiverMetrics
-from .affinity import DEFAULT_BALANCE, content_key
+from .affinity import DEFAULT_BALANCE, PlacementMemory, content_key
 from .placement import Affinity, RequestPlacement
 from .result import ItemResult
 from .shard_call import encode_shard
@@ -48,6 +48,7 @@ class Fleet:
     placement: str = "random"  # or "affinity" (receiver.affinity)
     balance: float = DEFAULT_BALANCE  # affinity's bound on one encoder's share, x the mean
     in_flight: Counter[str] = field(default_factory=Counter)  # items sent and not yet settled, by encoder URL
+    memory: PlacementMemory = field(default_factory=PlacementMemory)  # where affinity sent each key lately
 
     @classmethod
     def connect(
@@ -142,7 +143,7 @@ async def encode_with_failover(
     by_content = None
     if fleet.placement == "affinity":
         keys = keys if keys is not None else {index: content_key(data) for index, data in sources.items()}
-        by_content = Affinity(keys, fleet.balance, fleet.in_flight)
+        by_content = Affinity(keys, fleet.balance, fleet.in_flight, fleet.memory)
     placement = RequestPlacement(
         request_id, sources, deadline, fleet.policy,
         num_items_assigned=num_items_assigned, jitter=fleet.jitter, affinity=by_content,

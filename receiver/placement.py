@@ -44,6 +44,7 @@ class Affinity:
     keys: Mapping[int, bytes]
     balance: float
     in_flight: Mapping[str, int]
+    memory: affinity.PlacementMemory | None = None
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,9 @@ class RequestPlacement:
     def _plan_by_affinity(self, encoders: Sequence[Encoder], pending: list[int]) -> list[tuple[Encoder, list[int]]]:
         spec = self.affinity
         plan = affinity.place(
-            [spec.keys[i] for i in pending], [e.url for e in encoders], balance=spec.balance, in_flight=spec.in_flight
-        )
+            [spec.keys[i] for i in pending], [e.url for e in encoders],
+            balance=spec.balance, in_flight=spec.in_flight, memory=spec.memory,
+        )  # fmt: skip
         self.placed["affinity"] += len(pending) - plan.spilled
         self.placed["spilled"] += plan.spilled
         shards: dict[int, list[int]] = {}

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from receiver import FailoverPolicy, ShardError
-from receiver.affinity import content_key, place, ranking, request_cap
+from receiver.affinity import PlacementMemory, content_key, place, ranking, request_cap
 from receiver.placement import Affinity, RequestPlacement
 
 urls_strategy = st.lists(
@@ -32,7 +32,11 @@ def keys_of(n: int, seed: int = 0) -> list[bytes]:
 @settings(max_examples=150, deadline=None)
 def test_no_encoder_takes_more_than_ceil_balance_times_the_mean_of_a_request(keys, urls, balance, data):
     in_flight = {url: data.draw(st.integers(0, 50)) for url in urls}
-    plan = place(keys, urls, balance=balance, in_flight=in_flight)
+    memory = PlacementMemory()
+    for key in keys:  # where some keys went before
+        for url in data.draw(st.lists(st.sampled_from(urls), max_size=2)):
+            memory.sent(key, url)
+    plan = place(keys, urls, balance=balance, in_flight=in_flight, memory=memory)
     counts = Counter(plan.encoders)
     assert len(plan.encoders) == len(keys) and set(counts) <= set(range(len(urls)))
     assert max(counts.values()) <= request_cap(len(keys), len(urls), balance)
@@ -94,6 +98,21 @@ def test_in_flight_items_steer_a_request_away_from_a_busy_encoder_within_its_ran
     steered = place(keys, urls, in_flight={busy_url: 100})
     assert Counter(steered.encoders)[urls.index(busy_url)] < Counter(idle.encoders)[urls.index(busy_url)]
     assert steered.spilled > idle.spilled
+
+
+def test_an_item_that_must_spill_goes_where_it_was_encoded_before():
+    urls = ["grpc://a:1", "grpc://b:1", "grpc://c:1", "grpc://d:1"]
+    keys = keys_of(400, seed=3)
+    # Two keys with the same first choice, in a 2-item request: one of them must spill (cap 1).
+    by_top: dict[int, list[bytes]] = {}
+    for key in keys:
+        by_top.setdefault(ranking(key, urls)[0], []).append(key)
+    first, second = next(pair[:2] for pair in by_top.values() if len(pair) >= 2)
+    memory = PlacementMemory()
+    plan = place([first, second], urls, memory=memory)
+    assert plan.spilled == 1 and len(set(plan.encoders)) == 2
+    again = place([second, first], urls, memory=memory)  # the other order: same encoders as before
+    assert dict(zip([second, first], again.encoders)) == dict(zip([first, second], plan.encoders))
 
 
 def test_balance_below_one_is_refused():
