@@ -10,6 +10,8 @@ from encoder_common.env_flags import comma_separated, flag, section
 
 from .sources import SourcePolicy
 
+PLACEMENT_HELP = "how items are placed on encoders (affinity: by content, so a repeated image meets its cache)"
+
 if TYPE_CHECKING:  # the receiver pulls torch: not imported to build the parser (--help stays fast)
     from receiver import ClientTls
 
@@ -54,11 +56,7 @@ class GatewayConfig:
     )
     placement: str = field(
         default="random",
-        metadata=flag(
-            "how items are placed on encoders: random, or affinity (by content: a repeated image goes to "
-            "the encoder that has it cached)",
-            choices=("random", "affinity"),
-        ),
+        metadata=flag(PLACEMENT_HELP, choices=("random", "affinity")),
     )
     receiver_cache_bytes: int = field(
         default=0,

@@ -39,8 +39,7 @@ def build_parser() -> EnvDefaultsParser:
         "--placement",
         default="random",
         choices=("random", "affinity"),
-        help="how items are placed on encoders: random, or affinity (by content: a repeated image goes to the "
-        "encoder that has it cached)",
+        help="how items are placed on encoders (affinity: by content, so a repeated image meets its cache)",
     )
     p.add_argument(
         "--receiver-cache-bytes",

@@ -19,7 +19,7 @@ from .channels import ClientTls, EncoderEndpoint
 from .discovery import DEFAULT_REFRESH_S, Resolver, resolve_all
 from .errors import EncodeFailedError
 from .affinity import DEFAULT_BALANCE
-from .failover import Fleet, encode_items
+from .failover import EncodeJob, Fleet, encode_items
 from .fetch import fetch_leased
 from .health import FailoverPolicy
 from .item_cache import ItemCache
@@ -166,10 +166,8 @@ class EncoderReceiver:
         try:
             results, sources = await sort_items(self._served, items, self.file_roots)
             deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
-            await encode_items(
-                self._fleet, self.cache, request_id, sources, deadline, results,
-                num_items_assigned=num_items_assigned, lease=lease,
-            )  # fmt: skip
+            job = EncodeJob(request_id, deadline, results, num_items_assigned, lease)
+            await encode_items(self._fleet, self.cache, job, sources)
         finally:
             done = len(results) == len(items)
             self.metrics.request_done(time.perf_counter() - started, list(results.values()) if done else None)

@@ -89,18 +89,19 @@ class Fleet:
             self.discovery.report_failure(error.encoder_url)
 
 
-async def encode_items(
-    fleet: Fleet,
-    cache: ItemCache | None,
-    request_id: str,
-    sources: Mapping[int, bytes],
-    deadline: float,
-    results: dict[int, ItemResult],
-    *,
-    num_items_assigned: Sequence[int] | None = None,
-    lease: pb.Lease | None = None,
-) -> None:
-    """Puts every item of `sources` (image bytes by index) in `results`: from the receiver cache when
+@dataclass
+class EncodeJob:
+    """One `encode` call as the loop sees it: its id and deadline, where its items land, and its options."""
+
+    request_id: str
+    deadline: float
+    results: dict[int, ItemResult]
+    num_items_assigned: Sequence[int] | None = None  # fixes random placement's first counts
+    lease: pb.Lease | None = None
+
+
+async def encode_items(fleet: Fleet, cache: ItemCache | None, job: EncodeJob, sources: Mapping[int, bytes]) -> None:
+    """Puts every item of `sources` (image bytes by index) in `job.results`: from the receiver cache when
     there is one, else through `encode_with_failover`. Content keys are computed here, once per item,
     when the cache or affinity placement needs them. Calls that fix counts or ask for a lease bypass
     the cache: a lease is had only from an encoder that just encoded the item."""
@@ -108,31 +109,20 @@ async def encode_items(
     keys = {index: content_key(data) for index, data in sources.items()} if keyed else None
 
     async def encode(indices: Sequence[int]) -> None:
-        shard = {index: sources[index] for index in indices}
-        await encode_with_failover(
-            fleet, request_id, shard, deadline, results, num_items_assigned=num_items_assigned, lease=lease, keys=keys
-        )
+        await encode_with_failover(fleet, job, {index: sources[index] for index in indices}, keys)
 
-    if cache is None or lease is not None or num_items_assigned is not None:
+    if cache is None or job.lease is not None or job.num_items_assigned is not None:
         await encode(list(sources))
         return
-    hits, misses = await cache.encode_through(keys, results, encode)
+    hits, misses = await cache.encode_through(keys, job.results, encode)
     fleet.metrics.cache_looked_up(hits, misses, cache.bytes)
 
 
 async def encode_with_failover(
-    fleet: Fleet,
-    request_id: str,
-    sources: Mapping[int, bytes],
-    deadline: float,
-    results: dict[int, ItemResult],
-    *,
-    num_items_assigned: Sequence[int] | None = None,
-    lease: pb.Lease | None = None,
-    keys: Mapping[int, bytes] | None = None,
+    fleet: Fleet, job: EncodeJob, sources: Mapping[int, bytes], keys: Mapping[int, bytes] | None = None
 ) -> None:
     """Places `sources` (image bytes by item index) on encoders, and re-places those of every failed
-    shard, until all are in `results`.
+    shard, until all are in `job.results`.
 
     `RequestPlacement` decides what each failure means; this loop runs the calls it plans. Items an
     encoder refused as overloaded wait out their back-off on a timer while the other shards go on.
@@ -140,13 +130,14 @@ async def encode_with_failover(
     re-placed items can land on pods that just appeared. Under affinity placement `keys` holds each
     item's content key (`affinity.content_key`).
     """
+    request_id, deadline, results, lease = job.request_id, job.deadline, job.results, job.lease
     by_content = None
     if fleet.placement == "affinity":
         keys = keys if keys is not None else {index: content_key(data) for index, data in sources.items()}
         by_content = Affinity(keys, fleet.balance, fleet.in_flight, fleet.memory)
     placement = RequestPlacement(
         request_id, sources, deadline, fleet.policy,
-        num_items_assigned=num_items_assigned, jitter=fleet.jitter, affinity=by_content,
+        num_items_assigned=job.num_items_assigned, jitter=fleet.jitter, affinity=by_content,
     )  # fmt: skip
     running: dict[asyncio.Task, EncoderEndpoint | None] = {}  # shard calls; back-off timers map to None
 
