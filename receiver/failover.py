@@ -4,10 +4,11 @@ shard that failed, until all items are in or the request cannot succeed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -98,6 +99,7 @@ class EncodeJob:
     results: dict[int, ItemResult]
     num_items_assigned: Sequence[int] | None = None  # fixes random placement's first counts
     lease: pb.Lease | None = None
+    on_item: Callable[[ItemResult], None] | None = None  # told of each item as its last byte arrives
 
 
 async def encode_items(fleet: Fleet, cache: ItemCache | None, job: EncodeJob, sources: Mapping[int, bytes]) -> None:
@@ -108,11 +110,13 @@ async def encode_items(fleet: Fleet, cache: ItemCache | None, job: EncodeJob, so
     keyed = cache is not None or fleet.placement == "affinity"
     keys = {index: content_key(data) for index, data in sources.items()} if keyed else None
 
-    async def encode(indices: Sequence[int]) -> None:
-        await encode_with_failover(fleet, job, {index: sources[index] for index in indices}, keys)
+    async def encode(indices: Sequence[int], on_item: Callable[[ItemResult], None]) -> None:
+        await encode_with_failover(
+            fleet, dataclasses.replace(job, on_item=on_item), {index: sources[index] for index in indices}, keys
+        )
 
     if cache is None or job.lease is not None or job.num_items_assigned is not None:
-        await encode(list(sources))
+        await encode_with_failover(fleet, job, sources, keys)
         return
     hits, misses = await cache.encode_through(keys, job.results, encode)
     fleet.metrics.cache_looked_up(hits, misses, cache.bytes)
@@ -144,6 +148,8 @@ async def encode_with_failover(
     def arrived(result: ItemResult) -> None:
         results[result.index] = result
         placement.item_arrived(result)
+        if job.on_item is not None:
+            job.on_item(result)
 
     async def shard(encoder: EncoderEndpoint, indices: list[int]) -> ShardError | None:
         items = [(index, sources[index]) for index in indices]

@@ -72,12 +72,14 @@ class ItemCache:
         self,
         keys: Mapping[int, bytes],
         results: dict[int, ItemResult],
-        encode: Callable[[list[int]], Awaitable[None]],
+        encode: Callable[[list[int], Callable[[ItemResult], None]], Awaitable[None]],
     ) -> tuple[int, int]:
         """Fills `results` for every item of `keys` (content key by index): from the cache, from another
-        request encoding the same key (single flight), or through `encode(indices)`, which puts those
-        items in `results` or raises. Items repeated within the request are encoded once. Returns
-        (hits, misses): misses are the items this request encoded.
+        request encoding the same key (single flight), or through `encode(indices, on_item)`, which puts
+        those items in `results` (telling `on_item` of each as it arrives) or raises. Items repeated
+        within the request are encoded once. Returns (hits, misses): misses are the items this request
+        encoded. A request waiting on another's item has it as soon as that item arrives, not when the
+        other request ends.
         """
         owners: dict[bytes, int] = {}  # key -> the index this request encodes it as
         waits: dict[int, asyncio.Future[ItemResult]] = {}
@@ -95,14 +97,21 @@ class ItemCache:
             else:
                 owners[key] = index
                 self._flights[key] = asyncio.get_running_loop().create_future()
+        owned = {index: key for key, index in owners.items()}
+
+        def arrived(item: ItemResult) -> None:
+            key = owned.pop(item.index, None)
+            if key is not None:
+                self._land(key, item=self.put(key, item))
+
         try:
             if owners:
-                await encode(list(owners.values()))
+                await encode(list(owners.values()), arrived)
         except BaseException as exc:
-            for key in owners:
+            for key in owned.values():
                 self._land(key, exc=exc)
             raise
-        for key, index in owners.items():
+        for index, key in owned.items():  # arrived without a word (none should): no waiter is left hanging
             self._land(key, item=self.put(key, results[index]))
         for index, owner in repeats.items():
             results[index] = _copy(results[owner], index, hit=True)
@@ -115,7 +124,7 @@ class ItemCache:
             except Exception:  # that request failed (its deadline, its encoder): this one tries itself
                 failed.append(index)
         if failed:
-            await encode(failed)
+            await encode(failed, lambda item: None)
         return hits, len(owners) + len(failed)
 
     def _land(self, key: bytes, *, item: ItemResult | None = None, exc: BaseException | None = None) -> None:

@@ -3,15 +3,17 @@ cache, on one workload of repeated images (Zipf popularity, the same seed for ev
 affinity on a workload without repeats (tail latency: affinity must make no hot spots).
 
 Per mode: forwards the encoders ran (items they reported as cache misses), the fleet's hit rate, items
-served by the receiver cache (no RPC), throughput, p50 and p99 request latency. Each mode starts a fresh
-fleet, so no mode inherits another's caches. Modes of one workload run back to back on the same machine;
-compare them as ratios, the machine is shared and noisy.
+served by the receiver cache (no RPC), throughput, p50 and p99 request latency. Each mode has a fleet of
+its own (no mode sees another's caches), all started at once; the workload runs in rounds, each round
+through every mode in turn (the order rotating), so the machine's noise falls on all modes alike.
+Compare modes as ratios. The no-repeat workload then runs on the random and affinity fleets.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import random
@@ -84,65 +86,93 @@ def make_images(count: int, seed: int) -> list[bytes]:
     return [image_bytes(sides[i % 3], sides[(i // 3) % 3], seed=seed + i) for i in range(count)]
 
 
-async def run_mode(urls, mode: str, workload: list[list[int]], images: list[bytes], concurrency: int) -> ModeResult:
-    latencies: list[float] = []
-    forwards = hits_at_encoders = receiver_hits = 0
-    queue = iter(enumerate(workload))
-    async with EncoderReceiver(urls, seed=0, **MODES[mode]) as rx:
-        await rx.encode("warm", [{"data": image_bytes(56, 56, seed=10**6)}])
+class ModeRun:
+    """One mode's receiver and what its requests measured so far."""
+
+    def __init__(self, mode: str, urls: list[str]):
+        self.mode = mode
+        self.rx = EncoderReceiver(urls, seed=0, **MODES[mode])
+        self.latencies: list[float] = []
+        self.wall = 0.0
+        self.forwards = self.hits_at_encoders = self.receiver_hits = 0
+
+    async def round(self, requests: list[tuple[int, list[int]]], images: list[bytes], concurrency: int) -> None:
+        queue = iter(requests)
 
         async def client() -> None:
-            nonlocal forwards, hits_at_encoders, receiver_hits
             for number, picks in queue:
                 started = time.perf_counter()
-                result = await rx.encode(f"{mode}-{number}", [{"data": images[i]} for i in picks])
-                latencies.append(time.perf_counter() - started)
+                result = await self.rx.encode(f"{self.mode}-{number}", [{"data": images[i]} for i in picks])
+                self.latencies.append(time.perf_counter() - started)
                 for item in result.items:
                     if item.receiver_cache_hit:
-                        receiver_hits += 1
+                        self.receiver_hits += 1
                     elif item.cache_hit:
-                        hits_at_encoders += 1
+                        self.hits_at_encoders += 1
                     else:
-                        forwards += 1
+                        self.forwards += 1
 
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-    latencies.sort()
-    reached = forwards + hits_at_encoders
-    return ModeResult(
-        mode=mode,
-        workload="",
-        requests=len(workload),
-        items=sum(map(len, workload)),
-        distinct_images=len({i for picks in workload for i in picks}),
-        forwards=forwards,
-        fleet_hit_rate=round(hits_at_encoders / reached, 4) if reached else 1.0,
-        receiver_cache_hits=receiver_hits,
-        throughput_rps=round(len(workload) / wall, 1),
-        p50_ms=round(statistics.median(latencies) * 1000, 2),
-        p99_ms=round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000, 2),
-    )
+        self.wall += time.perf_counter() - started
+
+    def result(self, workload_name: str, workload: list[list[int]]) -> ModeResult:
+        latencies = sorted(self.latencies)
+        reached = self.forwards + self.hits_at_encoders
+        return ModeResult(
+            mode=self.mode,
+            workload=workload_name,
+            requests=len(workload),
+            items=sum(map(len, workload)),
+            distinct_images=len({i for picks in workload for i in picks}),
+            forwards=self.forwards,
+            fleet_hit_rate=round(self.hits_at_encoders / reached, 4) if reached else 1.0,
+            receiver_cache_hits=self.receiver_hits,
+            throughput_rps=round(len(workload) / self.wall, 1),
+            p50_ms=round(statistics.median(latencies) * 1000, 2),
+            p99_ms=round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000, 2),
+        )
+
+
+async def interleaved(runs: list[ModeRun], workload: list[list[int]], images: list[bytes], args) -> None:
+    """The workload in rounds of `args.round` requests, each round through every mode, order rotating."""
+    numbered = list(enumerate(workload))
+    for number, start in enumerate(range(0, len(numbered), args.round)):
+        chunk = numbered[start : start + args.round]
+        for run in runs[number % len(runs) :] + runs[: number % len(runs)]:
+            await run.round(chunk, images, args.concurrency)
 
 
 async def bench(args: argparse.Namespace) -> list[ModeResult]:
     model_dir = ensure_default_model(args.model_dir or tempfile.mkdtemp(prefix="bench-affinity-"))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-affinity-logs-"))
     repeated = zipf_workload(args.requests, args.images, args.zipf, args.seed)
-    fresh = no_repeat_workload(args.no_repeat_requests, args.seed)
-    plans = [("zipf", repeated, make_images(args.images, 0), list(MODES))]
-    if args.no_repeat_requests:
-        fresh_images = make_images(sum(map(len, fresh)), 100_000)
-        plans.append(("no-repeat", fresh, fresh_images, ["random", "affinity"]))
+    images = make_images(args.images, 0)
     results = []
-    for workload_name, workload, images, modes in plans:
-        for mode in modes:
-            flags = ("--dtype", "float32")  # a fresh fleet per mode: empty caches
-            with launch_servers(model_dir, args.encoders, *flags, log_dir=log_dir) as fleet:
-                result = await run_mode([p.url for p in fleet], mode, workload, images, args.concurrency)
-            result.workload = workload_name
-            print(json.dumps(asdict(result)), file=sys.stderr, flush=True)
-            results.append(result)
+    with contextlib.ExitStack() as stack:
+        fleets = {
+            mode: stack.enter_context(launch_servers(model_dir, args.encoders, "--dtype", "float32", log_dir=log_dir))
+            for mode in MODES
+        }
+        runs = [ModeRun(mode, [p.url for p in fleet]) for mode, fleet in fleets.items()]
+        try:
+            for run in runs:
+                await run.rx.encode("warm", [{"data": image_bytes(56, 56, seed=10**6)}])
+            await interleaved(runs, repeated, images, args)
+            results += [run.result("zipf", repeated) for run in runs]
+            if args.no_repeat_requests:
+                fresh = no_repeat_workload(args.no_repeat_requests, args.seed)
+                fresh_images = make_images(sum(map(len, fresh)), 100_000)
+                again = [ModeRun(mode, [p.url for p in fleets[mode]]) for mode in ("random", "affinity")]
+                await interleaved(again, fresh, fresh_images, args)
+                results += [run.result("no-repeat", fresh) for run in again]
+                for run in again:
+                    await run.rx.close()
+        finally:
+            for run in runs:
+                await run.rx.close()
+    for result in results:
+        print(json.dumps(asdict(result)), file=sys.stderr, flush=True)
     return results
 
 
@@ -154,6 +184,7 @@ def main() -> None:
     p.add_argument("--zipf", type=float, default=1.1, help="popularity exponent")
     p.add_argument("--no-repeat-requests", type=int, default=500, help="requests of the no-repeat workload (0: skip)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--round", type=int, default=100, help="requests per mode in one round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=None, help="where the built-in model is written (a temporary dir if unset)")
     args = p.parse_args()
