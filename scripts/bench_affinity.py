@@ -89,9 +89,9 @@ def make_images(count: int, seed: int) -> list[bytes]:
 class ModeRun:
     """One mode's receiver and what its requests measured so far."""
 
-    def __init__(self, mode: str, urls: list[str]):
+    def __init__(self, mode: str, urls: list[str], balance: float):
         self.mode = mode
-        self.rx = EncoderReceiver(urls, seed=0, **MODES[mode])
+        self.rx = EncoderReceiver(urls, seed=0, balance=balance, **MODES[mode])
         self.latencies: list[float] = []
         self.wall = 0.0
         self.forwards = self.hits_at_encoders = self.receiver_hits = 0
@@ -154,7 +154,7 @@ async def bench(args: argparse.Namespace) -> list[ModeResult]:
             mode: stack.enter_context(launch_servers(model_dir, args.encoders, "--dtype", "float32", log_dir=log_dir))
             for mode in MODES
         }
-        runs = [ModeRun(mode, [p.url for p in fleet]) for mode, fleet in fleets.items()]
+        runs = [ModeRun(mode, [p.url for p in fleet], args.balance) for mode, fleet in fleets.items()]
         try:
             for run in runs:
                 await run.rx.encode("warm", [{"data": image_bytes(56, 56, seed=10**6)}])
@@ -163,7 +163,8 @@ async def bench(args: argparse.Namespace) -> list[ModeResult]:
             if args.no_repeat_requests:
                 fresh = no_repeat_workload(args.no_repeat_requests, args.seed)
                 fresh_images = make_images(sum(map(len, fresh)), 100_000)
-                again = [ModeRun(mode, [p.url for p in fleets[mode]]) for mode in ("random", "affinity")]
+                modes = ("random", "affinity")
+                again = [ModeRun(mode, [p.url for p in fleets[mode]], args.balance) for mode in modes]
                 await interleaved(again, fresh, fresh_images, args)
                 results += [run.result("no-repeat", fresh) for run in again]
                 for run in again:
@@ -185,6 +186,7 @@ def main() -> None:
     p.add_argument("--no-repeat-requests", type=int, default=500, help="requests of the no-repeat workload (0: skip)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--round", type=int, default=100, help="requests per mode in one round")
+    p.add_argument("--balance", type=float, default=1.25, help="affinity's bound: ceil(balance x mean) a request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=None, help="where the built-in model is written (a temporary dir if unset)")
     args = p.parse_args()
