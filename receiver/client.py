@@ -93,8 +93,9 @@ class EncoderReceiver:
         self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`; "auto" touches no file yet
         self.metrics = metrics or ReceiverMetrics()
         self._fleet = Fleet.connect(
-            self.urls, tls=tls, auth_token=auth_token, resolver=resolver, refresh_s=refresh_s, close_grace_s=timeout,
-            policy=self.failover, metrics=self.metrics, shm=self._shm, seed=seed, placement=placement, balance=balance,
+            self.urls, tls=tls, auth_token=auth_token, resolver=resolver, refresh_s=refresh_s,
+            close_grace_s=timeout, policy=self.failover, metrics=self.metrics, shm=self._shm, seed=seed,
+            placement=placement, balance=balance,
         )  # fmt: skip
         self.cache = ItemCache(cache_bytes) if cache_bytes else None
         self.discovery = self._fleet.discovery

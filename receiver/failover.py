@@ -81,7 +81,8 @@ class Fleet:
         if balance < 1.0:
             raise ValueError(f"balance must be at least 1.0, got {balance}")
         rngs = {"rng": random.Random(seed), "jitter": random.Random()}
-        return cls(pool, discovery, health, policy, metrics, shm, **rngs, placement=placement, balance=balance)
+        settings = {"placement": placement, "balance": balance}
+        return cls(pool, discovery, health, policy, metrics, shm, **rngs, **settings)
 
     def shard_failed(self, error: ShardError) -> None:
         """Counts the failure; an unreachable encoder makes discovery re-resolve and skip it a while."""
@@ -102,7 +103,9 @@ class EncodeJob:
     on_item: Callable[[ItemResult], None] | None = None  # told of each item as its last byte arrives
 
 
-async def encode_items(fleet: Fleet, cache: ItemCache | None, job: EncodeJob, sources: Mapping[int, bytes]) -> None:
+async def encode_items(
+    fleet: Fleet, cache: ItemCache | None, job: EncodeJob, sources: Mapping[int, bytes]
+) -> None:
     """Puts every item of `sources` (image bytes by index) in `job.results`: from the receiver cache when
     there is one, else through `encode_with_failover`. Content keys are computed here, once per item,
     when the cache or affinity placement needs them. Calls that fix counts or ask for a lease bypass
@@ -111,9 +114,8 @@ async def encode_items(fleet: Fleet, cache: ItemCache | None, job: EncodeJob, so
     keys = {index: content_key(data) for index, data in sources.items()} if keyed else None
 
     async def encode(indices: Sequence[int], on_item: Callable[[ItemResult], None]) -> None:
-        await encode_with_failover(
-            fleet, dataclasses.replace(job, on_item=on_item), {index: sources[index] for index in indices}, keys
-        )
+        shard = {index: sources[index] for index in indices}
+        await encode_with_failover(fleet, dataclasses.replace(job, on_item=on_item), shard, keys)
 
     if cache is None or job.lease is not None or job.num_items_assigned is not None:
         await encode_with_failover(fleet, job, sources, keys)

@@ -24,8 +24,9 @@ def _nbytes(item: ItemResult) -> int:
 def _copy(item: ItemResult, index: int, *, hit: bool) -> ItemResult:
     """A result for position `index` whose tensors nobody else holds."""
     deepstack = item.deepstack.clone() if item.deepstack is not None else None
+    embedding = item.embedding.clone()
     return dataclasses.replace(
-        item, index=index, embedding=item.embedding.clone(), deepstack=deepstack, receiver_cache_hit=hit, lease=None
+        item, index=index, embedding=embedding, deepstack=deepstack, receiver_cache_hit=hit, lease=None
     )
 
 

@@ -71,5 +71,6 @@ def map_item_file(path: str | Path, shape: tuple[int, ...], dtype: torch.dtype) 
 def sweep_dead(directory: Path, prefix: str) -> list[str]:
     """Removes the files under `prefix` whose process is gone (its instance's lock is free); returns
     their names. Files of live processes, this one's included, are left alone."""
-    name = re.compile(rf"(?P<instance>{re.escape(prefix)}\.\d+\.[0-9a-f]{{32}})\.(?:lock|item\.[0-9a-f]{{16}})")
+    instance = rf"{re.escape(prefix)}\.\d+\.[0-9a-f]{{32}}"
+    name = re.compile(rf"(?P<instance>{instance})\.(?:lock|item\.[0-9a-f]{{16}})")
     return sweep_instances(directory, name, lambda instance: f"{instance}.lock")

@@ -101,7 +101,7 @@ async def encode_shard(
 
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        return failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before the call", indices)
+        return failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call", indices)
     call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
     failure = await read_call(endpoint, call, assembler, policy, arrived)
     if failure is not None:
@@ -141,7 +141,7 @@ async def fetch_shard(
     assembler = ShardAssembler(range(len(keys)), endpoint.url, read_shm, allocate)
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the fetch's deadline passed before the call")
+        raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the deadline passed before the call")
     call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
     failure = await read_call(endpoint, call, assembler, policy)
     if failure is not None:

@@ -96,7 +96,7 @@ class ModeRun:
         self.wall = 0.0
         self.forwards = self.hits_at_encoders = self.receiver_hits = 0
 
-    async def round(self, requests: list[tuple[int, list[int]]], images: list[bytes], concurrency: int) -> None:
+    async def round(self, requests: list[tuple[int, list[int]]], images: list[bytes], concurrency: int):
         queue = iter(requests)
 
         async def client() -> None:
@@ -150,8 +150,9 @@ async def bench(args: argparse.Namespace) -> list[ModeResult]:
     images = make_images(args.images, 0)
     results = []
     with contextlib.ExitStack() as stack:
+        flags = ("--dtype", "float32")
         fleets = {
-            mode: stack.enter_context(launch_servers(model_dir, args.encoders, "--dtype", "float32", log_dir=log_dir))
+            mode: stack.enter_context(launch_servers(model_dir, args.encoders, *flags, log_dir=log_dir))
             for mode in MODES
         }
         runs = [ModeRun(mode, [p.url for p in fleet], args.balance) for mode, fleet in fleets.items()]
@@ -183,12 +184,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2000, help="requests of the repeated-image workload")
     p.add_argument("--images", type=int, default=500, help="distinct images it draws from")
     p.add_argument("--zipf", type=float, default=1.1, help="popularity exponent")
-    p.add_argument("--no-repeat-requests", type=int, default=500, help="requests of the no-repeat workload (0: skip)")
+    p.add_argument("--no-repeat-requests", type=int, default=500, help="requests without repeats (0: none)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--round", type=int, default=100, help="requests per mode in one round")
-    p.add_argument("--balance", type=float, default=1.25, help="affinity's bound: ceil(balance x mean) a request")
+    p.add_argument("--balance", type=float, default=1.25, help="affinity's bound, x the mean")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-dir", default=None, help="where the built-in model is written (a temporary dir if unset)")
+    p.add_argument("--model-dir", default=None, help="where the built-in model goes (default: a temporary dir)")
     args = p.parse_args()
     results = asyncio.run(bench(args))
     print(json.dumps({"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "args": vars(args),

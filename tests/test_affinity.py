@@ -21,6 +21,7 @@ urls_strategy = st.lists(
 )
 keys_strategy = st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=48)
 balance_strategy = st.floats(1.0, 3.0)
+distinct_keys = st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=200, unique=True)
 
 
 def keys_of(n: int, seed: int = 0) -> list[bytes]:
@@ -56,7 +57,7 @@ def test_an_item_goes_to_the_first_encoder_of_its_own_ranking_that_has_room(keys
     assert plan.spilled == sum(encoder != ranking(key, urls)[0] for key, encoder in zip(keys, plan.encoders))
 
 
-@given(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=200, unique=True), urls_strategy, st.data())
+@given(distinct_keys, urls_strategy, st.data())
 @settings(max_examples=150, deadline=None)
 def test_an_encoder_leaving_moves_only_the_keys_it_ranked_first_for(keys, urls, data):
     gone = data.draw(st.sampled_from(urls))
@@ -71,7 +72,7 @@ def test_an_encoder_leaving_moves_only_the_keys_it_ranked_first_for(keys, urls, 
             assert after == urls[ranking(key, urls)[1]]
 
 
-@given(st.lists(st.binary(min_size=16, max_size=16), min_size=1, max_size=200, unique=True), urls_strategy)
+@given(distinct_keys, urls_strategy)
 @settings(max_examples=150, deadline=None)
 def test_an_encoder_joining_takes_keys_only_for_itself_and_order_of_urls_does_not_matter(keys, urls):
     joined = [*urls, "grpc://10.0.0.2:1"]
@@ -135,8 +136,9 @@ def test_a_failed_encoders_items_are_re_placed_on_the_next_encoder_of_their_rank
     first = {e.url: items for e, items in state.plan(encoders, 4, random.Random(0))}
     assert all(urls[ranking(keys[i], urls)[0]] == url for url, items in first.items() for i in items)
     victim, items = next(iter(first.items()))
+    unavailable = grpc.StatusCode.UNAVAILABLE
     state.shard_failed(
-        ShardError(encoder_url=victim, request_id="req", item_indices=items, code=grpc.StatusCode.UNAVAILABLE, message="x")
+        ShardError(encoder_url=victim, request_id="req", item_indices=items, code=unavailable, message="x")
     )
     survivors = [e for e in encoders if e.url != victim]
     again = {e.url: moved for e, moved in state.plan(survivors, 4, random.Random(0))}
@@ -150,4 +152,6 @@ def test_a_failed_encoders_items_are_re_placed_on_the_next_encoder_of_their_rank
 def test_affinity_refuses_fixed_counts():
     keys = dict(enumerate(keys_of(2)))
     with pytest.raises(ValueError, match="num_items_assigned"):
-        RequestPlacement("req", keys, 1e12, FailoverPolicy(), num_items_assigned=[2], affinity=Affinity(keys, 1.25, {}))
+        RequestPlacement(
+            "req", keys, 1e12, FailoverPolicy(), num_items_assigned=[2], affinity=Affinity(keys, 1.25, {})
+        )

@@ -39,9 +39,8 @@ async def fleet(default_model_dir, tmp_path_factory):
     a fault proxy; all serve the built-in model in float32."""
     async with contextlib.AsyncExitStack() as stack:
         local = [await stack.enter_async_context(running_server(default_model_dir)) for _ in range(4)]
-        victim = stack.enter_context(
-            launch_server(default_model_dir, "--dtype", "float32", log_dir=tmp_path_factory.mktemp("membership"))
-        )
+        log_dir = tmp_path_factory.mktemp("membership")
+        victim = stack.enter_context(launch_server(default_model_dir, "--dtype", "float32", log_dir=log_dir))
         proxy = await stack.enter_async_context(fault_proxy(victim.port))
         yield local, victim, proxy
 
