@@ -122,6 +122,8 @@ async def encode_items(
         return
     hits, misses = await cache.encode_through(keys, job.results, encode)
     fleet.metrics.cache_looked_up(hits, misses, cache.bytes)
+    if not misses:
+        await asyncio.sleep(0)  # served without any wait: let the other requests' streams in first
 
 
 async def encode_with_failover(
