@@ -12,7 +12,9 @@ import errno
 import fcntl
 import logging
 import os
+import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from protos.shm import LOCK_ROLE, NAME
@@ -61,22 +63,29 @@ def create_locked(path: Path, content: bytes = b"") -> int:
 
 
 def sweep_stale(directory: Path) -> list[str]:
+    """Removes every file of dead encoder and receiver instances in `directory`; returns the names."""
+    return sweep_instances(directory, NAME, lambda instance: f"{instance}.{LOCK_ROLE[instance.split('.', 1)[0]]}")
+
+
+def sweep_instances(directory: Path, name: re.Pattern[str], lock_name_of: Callable[[str], str]) -> list[str]:
     """Removes every file of dead instances (their lock is free) in `directory`; returns the names.
 
-    Files of live instances, of other users and of no instance of ours are left alone.
+    `name` matches an instance's files, with the instance id as group "instance"; `lock_name_of`
+    names the file whose flock the instance holds while it lives. Files of live instances, of other
+    users and of no instance are left alone.
     """
     try:
         names = os.listdir(directory)
     except OSError:
         return []
     by_instance: dict[str, list[str]] = defaultdict(list)
-    for name in names:
-        match = NAME.fullmatch(name)
+    for file_name in names:
+        match = name.fullmatch(file_name)
         if match:
-            by_instance[match["instance"]].append(name)
+            by_instance[match["instance"]].append(file_name)
     removed: list[str] = []
     for instance, files in by_instance.items():
-        lock_name = f"{instance}.{LOCK_ROLE[instance.split('.', 1)[0]]}"
+        lock_name = lock_name_of(instance)
         if lock_name not in files:
             continue  # no lock to judge by: not ours to remove
         try:
@@ -91,10 +100,10 @@ def sweep_stale(directory: Path) -> list[str]:
                     continue  # its owner is alive (or another sweep is removing it)
                 raise
             # The lock goes last, so a sweep cut short leaves it behind for the next one to finish.
-            for name in sorted(files, key=lambda n: n == lock_name):
+            for file_name in sorted(files, key=lambda n: n == lock_name):
                 try:
-                    os.unlink(directory / name)
-                    removed.append(name)
+                    os.unlink(directory / file_name)
+                    removed.append(file_name)
                 except FileNotFoundError:
                     pass
         except OSError as exc:
@@ -102,5 +111,5 @@ def sweep_stale(directory: Path) -> list[str]:
         finally:
             os.close(fd)
     if removed:
-        log.info("removed %d stale shared-memory files of dead encoder processes", len(removed))
+        log.info("removed %d stale shared-memory files of dead processes", len(removed))
     return removed

@@ -1,5 +1,5 @@
 """`encoder-precompute`: encodes images offline into one safetensors file per image content hash,
-through running encoder servers or an in-process model; `precomputed_item` loads them back.
+through running encoder servers or an in-process model; `receiver.precomputed_files` loads them back.
 
 A file `<sha256 of the image bytes>.safetensors` holds "embedding" (and "deepstack" where the model
 has deepstack layers) and metadata naming the model that made it. One output directory holds one
@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -31,22 +29,12 @@ from encoder_common.errors import EncoderError, InvalidItemError
 
 from receiver.client import EncoderReceiver
 from receiver.errors import ShardError
-from receiver.precomputed import DEEPSTACK_KEY, PRECOMPUTED_KEY
+from receiver.precomputed_files import FORMAT, content_key, output_path, read_metadata
 from receiver.result import ItemResult
 
 from .config import dtype_flag
 
-FORMAT = "encoder-precompute/1"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-
-
-def content_key(data: bytes) -> str:
-    """The cache key of an image: sha256 over its encoded bytes, in hex."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def output_path(out_dir: str | Path, key: str) -> Path:
-    return Path(out_dir) / f"{key}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -110,39 +98,6 @@ def write_embedding(path: Path, item: ItemResult, stamp: ModelStamp, source: str
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-
-
-def _read_metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-    if metadata.get("format") != FORMAT:
-        raise InvalidItemError(f"{path} is not an {FORMAT} file")
-    return metadata
-
-
-def load_precomputed(path: str | Path) -> dict[str, Any]:
-    """A precomputed item from one file, with the grid_thw and weights fingerprint the receiver checks."""
-    path = Path(path)
-    try:
-        metadata = _read_metadata(path)
-        with safe_open(str(path), framework="pt") as f:
-            item = {
-                "modality": "image",
-                PRECOMPUTED_KEY: f.get_tensor("embedding"),
-                "grid_thw": tuple(json.loads(metadata["grid_thw"])),
-                "weights_fingerprint": metadata["weights_fingerprint"],
-            }
-            if "deepstack" in f.keys():
-                item[DEEPSTACK_KEY] = f.get_tensor("deepstack")
-    except (SafetensorError, OSError, KeyError, ValueError) as exc:
-        raise InvalidItemError(f"cannot load precomputed embedding {path}: {exc}") from None
-    return item
-
-
-def precomputed_item(cache_dir: str | Path, data: bytes) -> dict[str, Any]:
-    """The item for these image bytes: precomputed when `cache_dir` holds their file, raw otherwise."""
-    path = output_path(cache_dir, content_key(data))
-    return load_precomputed(path) if path.exists() else {"modality": "image", "data": data}
 
 
 class ServerBackend:
@@ -292,7 +247,7 @@ async def precompute(
             pending.append(key)
             continue
         try:
-            found = ModelStamp.of_metadata(_read_metadata(existing))
+            found = ModelStamp.of_metadata(read_metadata(existing))
         except (SafetensorError, InvalidItemError, KeyError, ValueError):
             pending.append(key)  # unreadable: encode it again
             continue

@@ -187,6 +187,8 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
             tls=config.tls,
             auth_token=config.auth_token,
             transfer=config.transfer,
+            placement=config.placement,
+            cache_bytes=config.receiver_cache_bytes,
         )
         session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=config.engine_timeout_s), auto_decompress=False

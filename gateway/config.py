@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from encoder_common.env_flags import comma_separated, flag, section
 from encoder_common.sources import SourcePolicy
 
+PLACEMENT_HELP = "how items are placed on encoders (affinity: by content, so a repeated image meets its cache)"
+
 if TYPE_CHECKING:  # the receiver pulls torch: not imported to build the parser (--help stays fast)
     from receiver import ClientTls
 
@@ -56,6 +58,14 @@ class GatewayConfig:
             "receiver.vllm_connector as ec_consumer and fetches them from the encoders)",
             choices=("inline", "connector"),
         ),
+    )
+    placement: str = field(
+        default="random",
+        metadata=flag(PLACEMENT_HELP, choices=("random", "affinity")),
+    )
+    receiver_cache_bytes: int = field(
+        default=0,
+        metadata=flag("embeddings kept here to serve repeated images without an encoder call, bytes (0: none)"),
     )
     lease_ttl_s: float = field(
         default=60.0,

@@ -6,14 +6,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import grpc
+from encoder_common.errors import EncoderError, NotFoundError
 
-from encoder_common.errors import EncoderError, NotFoundError, SharedMemoryUnavailableError, error_class_for
-from protos import encoder_pb2 as pb
-
-from .assembly import Allocator, ShardAssembler, StreamProtocolError
+from .assembly import Allocator
 from .channels import EncoderEndpoint
+from .health import FailoverPolicy
 from .result import ItemResult
+from .shard_call import fetch_shard
 from .shm import ShmReceiver
 
 # How a chat request names a leased item to an inference engine's connector (receiver.vllm_connector):
@@ -49,54 +48,6 @@ class FetchFailedError(EncoderError):
         super().__init__(f"leased item {key.hex()} could not be fetched: {story}")
 
 
-async def fetch_from(
-    endpoint: EncoderEndpoint,
-    request_id: str,
-    keys: Sequence[bytes],
-    *,
-    deadline: float,
-    shm: ShmReceiver | None = None,
-    allocate: Allocator | None = None,
-) -> list[ItemResult]:
-    """One Fetch call: the items of `keys`, in order, each received into a tensor from `allocate`.
-
-    Raises the status's error class (NotFoundError for a key the encoder does not hold), or
-    StreamProtocolError when the stream breaks the contract. Items whose shared-memory segment
-    could not be used are fetched again over the stream.
-    """
-    shm_offer = shm.offer(endpoint.url) if shm is not None else None
-    request = pb.FetchRequest(request_id=request_id, keys=keys, shm=shm_offer)
-    read_shm = shm.reader(request_id) if shm_offer is not None else None
-    assembler = ShardAssembler(range(len(keys)), endpoint.url, read_shm, allocate)
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)(
-            "the fetch's deadline passed before the call"
-        )
-    call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
-    try:
-        async for message in call:
-            assembler.feed(message)
-    except grpc.aio.AioRpcError as exc:
-        raise error_class_for(exc.code())(f"{exc.code().name}: {exc.details()}") from None
-    except (StreamProtocolError, SharedMemoryUnavailableError):
-        call.cancel()
-        raise
-    results = dict(assembler.items)
-    if assembler.refetch:
-        again = [keys[i] for i in assembler.refetch]
-        for index, item in zip(
-            assembler.refetch,
-            await fetch_from(endpoint, request_id, again, deadline=deadline, allocate=allocate),
-        ):
-            item.index = index
-            results[index] = item
-    missing = [i for i in range(len(keys)) if i not in results]
-    if missing:
-        raise StreamProtocolError(f"Fetch stream from {endpoint.url} ended before items {missing} arrived")
-    return [results[i] for i in range(len(keys))]
-
-
 async def fetch_leased(
     endpoints: Sequence[EncoderEndpoint],
     request_id: str,
@@ -104,17 +55,19 @@ async def fetch_leased(
     *,
     deadline: float,
     prefer_url: str | None = None,
+    policy: FailoverPolicy,
     shm: ShmReceiver | None = None,
     allocate: Allocator | None = None,
 ) -> ItemResult:
     """One leased item from whichever encoder holds it: `prefer_url` first (the one that encoded it),
-    then the others in order. Raises FetchFailedError with every encoder's answer when none has it."""
+    then the others in order, each call under the stall watch. Raises FetchFailedError with every
+    encoder's answer when none has it."""
     ordered = sorted(endpoints, key=lambda e: e.url != prefer_url)
     answers: list[tuple[str, str]] = []
     for endpoint in ordered:
         try:
-            (item,) = await fetch_from(
-                endpoint, request_id, [key], deadline=deadline, shm=shm, allocate=allocate
+            (item,) = await fetch_shard(
+                endpoint, request_id, [key], deadline=deadline, policy=policy, shm=shm, allocate=allocate
             )
             return item
         except EncoderError as exc:
@@ -129,7 +82,6 @@ __all__ = [
     "FetchFailedError",
     "NotFoundError",
     "UUID_PREFIX",
-    "fetch_from",
     "fetch_leased",
     "item_uuid",
     "lease_key",

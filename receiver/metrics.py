@@ -1,6 +1,7 @@
-"""Receiver-side counters: requests and latency, items per encoder, shard failures, retries, failovers
-and DNS re-resolutions. Plain numbers a prefill node reads with `snapshot()`, or exports to
-Prometheus with `prometheus_collector()` (prometheus-client is imported only then)."""
+"""Receiver-side counters: requests and latency, items per encoder, shard failures, retries, failovers,
+DNS re-resolutions, how items were placed, the receiver cache's hits, misses and bytes. Plain numbers
+a prefill node reads with `snapshot()`, or exports to Prometheus with `prometheus_collector()`
+(prometheus-client is imported only then)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class ReceiverMetrics:
         self.retries: Counter[str] = Counter()  # items, by the encoder that refused them as overloaded
         self.failovers: Counter[str] = Counter()  # items, by the failed encoder they were moved off
         self.resolutions: Counter[str] = Counter()  # by outcome: "ok" or "error"
+        self.placements: Counter[str] = Counter()  # items placed, by how: "affinity", "spilled", "re_placed"
+        self.cache_lookups: Counter[str] = Counter()  # receiver cache, by outcome: "hit" or "miss"
+        self.cache_bytes = 0  # what the receiver cache holds now
         self.latency_buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)  # the last one is +Inf
         self.latency_sum_s = 0.0
 
@@ -41,7 +45,7 @@ class ReceiverMetrics:
             self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
             self.latency_sum_s += seconds
             for item in items or ():
-                if item.encoder_url is not None:
+                if item.encoder_url is not None and not item.receiver_cache_hit:
                     self.items_by_encoder[item.encoder_url] += 1
                     self.tokens_by_encoder[item.encoder_url] += item.num_tokens
 
@@ -56,6 +60,15 @@ class ReceiverMetrics:
     def failover(self, from_url: str, items: int) -> None:
         with self._lock:
             self.failovers[from_url] += items
+
+    def placed(self, counts: Counter[str]) -> None:
+        with self._lock:
+            self.placements.update(counts)
+
+    def cache_looked_up(self, hits: int, misses: int, cache_bytes: int) -> None:
+        with self._lock:
+            self.cache_lookups.update(hit=hits, miss=misses)
+            self.cache_bytes = cache_bytes
 
     def resolved(self, ok: bool) -> None:
         with self._lock:
@@ -72,13 +85,16 @@ class ReceiverMetrics:
                 "retries": dict(self.retries),
                 "failovers": dict(self.failovers),
                 "resolutions": dict(self.resolutions),
+                "placements": dict(self.placements),
+                "cache_lookups": dict(self.cache_lookups),
+                "cache_bytes": self.cache_bytes,
                 "latency_count": sum(self.latency_buckets),
                 "latency_sum_s": self.latency_sum_s,
             }
 
     def prometheus_collector(self):
         """A prometheus_client Collector exposing these counters; register it in any registry."""
-        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
         from prometheus_client.registry import Collector
 
         metrics = self
@@ -92,6 +108,12 @@ class ReceiverMetrics:
                         for key, count in counts.items():
                             family.add_metric(list(key) if isinstance(key, tuple) else [key], count)
                         families.append(family)
+                    families.append(
+                        GaugeMetricFamily(
+                            "encoder_receiver_cache_bytes", "bytes of embeddings the receiver cache holds",
+                            value=metrics.cache_bytes,
+                        )  # fmt: skip
+                    )
                     bounds = [*map(str, LATENCY_BUCKETS_S), "+Inf"]
                     cumulative = list(itertools.accumulate(metrics.latency_buckets))
                     families.append(
@@ -115,4 +137,6 @@ class ReceiverMetrics:
             ("retries", "items re-sent after an encoder refused them as overloaded", ["encoder"], self.retries),
             ("failovers", "items moved off a failed encoder", ["from_encoder"], self.failovers),
             ("resolutions", "DNS resolutions of encoder names, by outcome", ["outcome"], self.resolutions),
+            ("placements", "items placed, by how: affinity, spilled (balance), re_placed", ["how"], self.placements),
+            ("cache_lookups", "receiver cache lookups, by outcome", ["outcome"], self.cache_lookups),
         ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -21,6 +22,7 @@ from encoder_common.errors import (
     status_for_class,
 )
 
+from . import affinity
 from .errors import EncodeFailedError, ItemAttempt, ShardError
 from .health import FailoverPolicy, backoff_s
 from .result import ItemResult
@@ -32,6 +34,17 @@ class HasUrl(Protocol):
 
 
 Encoder = TypeVar("Encoder", bound=HasUrl)
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """Content-affinity placement for one request (see `receiver.affinity`): each item's content key,
+    the balance factor, and the receiver's items in flight per encoder URL (shared, read at each plan)."""
+
+    keys: Mapping[int, bytes]
+    balance: float
+    in_flight: Mapping[str, int]
+    memory: affinity.PlacementMemory | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,10 @@ class RequestPlacement:
         num_items_assigned: Sequence[int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         jitter: random.Random | None = None,
+        affinity: Affinity | None = None,
     ):
+        if affinity is not None and num_items_assigned is not None:
+            raise ValueError("num_items_assigned fixes random placement's counts; affinity places items by content")
         self.request_id = request_id
         self.deadline = deadline
         self.policy = policy
@@ -76,6 +92,10 @@ class RequestPlacement:
         self._assigned = num_items_assigned  # fixes the first placement's counts only
         self._clock = clock
         self._jitter = jitter or random.Random()
+        self.affinity = affinity
+        # Items placed: "affinity" (on their first-ranked encoder), "spilled" (the next one, for the
+        # balance bound), "re_placed" (again, after their encoder failed).
+        self.placed: Counter[str] = Counter()
 
     def time_left(self) -> float:
         return max(0.0, self.deadline - self._clock())
@@ -103,10 +123,26 @@ class RequestPlacement:
         assigned = self._assigned if len(encoders) == num_known else None
         self._assigned = None
         pending, self.pending = self.pending, []
+        self.placed["re_placed"] += sum(1 for i in pending if self.attempts[i])
+        if self.affinity is not None:
+            return self._plan_by_affinity(encoders, pending)
         return [
             (encoders[shard.encoder], [pending[i] for i in shard.items])
             for shard in plan_shards(len(pending), len(encoders), rng, assigned)
         ]
+
+    def _plan_by_affinity(self, encoders: Sequence[Encoder], pending: list[int]) -> list[tuple[Encoder, list[int]]]:
+        spec = self.affinity
+        plan = affinity.place(
+            [spec.keys[i] for i in pending], [e.url for e in encoders],
+            balance=spec.balance, in_flight=spec.in_flight, memory=spec.memory,
+        )  # fmt: skip
+        self.placed["affinity"] += len(pending) - plan.spilled
+        self.placed["spilled"] += plan.spilled
+        shards: dict[int, list[int]] = {}
+        for item, encoder in zip(pending, plan.encoders):
+            shards.setdefault(encoder, []).append(item)
+        return [(encoders[encoder], items) for encoder, items in shards.items()]
 
     def item_arrived(self, result: ItemResult) -> None:
         self.done.add(result.index)

@@ -19,7 +19,8 @@ class ItemResult:
     grid_thw: tuple[int, ...]
     encoder_url: str | None  # None for a precomputed item
     deepstack: torch.Tensor | None = None  # [num_deepstack_layers, num_tokens, hidden_size]
-    cache_hit: bool = False
+    cache_hit: bool = False  # the encoder's cache had it
+    receiver_cache_hit: bool = False  # this receiver's cache had it: no RPC (encoder_url: who encoded it)
     precomputed: bool = False  # the caller supplied the embedding; no encoder ran
     lease: pb.LeaseGrant | None = None  # set when encoded with a lease: the key a Fetch names it by
     queue_ms: float = 0.0

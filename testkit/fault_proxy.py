@@ -22,6 +22,7 @@ class FaultProxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._client_writers: set[asyncio.StreamWriter] = set()  # toward the receiver
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._cut = False
@@ -54,6 +55,22 @@ class FaultProxy:
     def resume(self) -> None:
         self._flowing.set()
 
+    def cut(self) -> None:
+        """Ends every connection now, dropping what is held, as a killed process's peer sees it: the
+        receiver reads what was relayed before, then the connection's end. New connections are refused.
+
+        Toward the receiver a FIN (a half-close), never a reset: a reset would make its kernel discard
+        what it has not read yet. What the receiver still sends is read and dropped until it closes,
+        because closing a socket with unread bytes in it sends a reset too.
+        """
+        self._cut = True
+        self._flowing.set()  # held pumps wake up and drop what they hold
+        for writer in list(self._writers):
+            if writer in self._client_writers:
+                writer.write_eof()
+            else:
+                writer.transport.abort()
+
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         if self._cut:
             client_writer.transport.abort()
@@ -64,6 +81,7 @@ class FaultProxy:
             client_writer.transport.abort()
             return
         self._writers |= {client_writer, upstream_writer}
+        self._client_writers.add(client_writer)
         try:
             await asyncio.gather(
                 self._pump(client_reader, upstream_writer, from_encoder=False),
@@ -72,11 +90,16 @@ class FaultProxy:
         finally:
             for writer in (client_writer, upstream_writer):
                 self._writers.discard(writer)
+                self._client_writers.discard(writer)
                 writer.close()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, from_encoder: bool) -> None:
         with contextlib.suppress(ConnectionError):
             while data := await reader.read(RELAY_BYTES):
+                if self._cut:
+                    if from_encoder:
+                        return
+                    continue  # the receiver's bytes after a cut: read and dropped (see `cut`)
                 if from_encoder and self._budget is not None:
                     before, data = data[: self._budget], data[self._budget :]
                     self._budget -= len(before)
@@ -86,8 +109,13 @@ class FaultProxy:
                         if self._cut:
                             return
                 await self._flowing.wait()
+                if self._cut:  # cut while held: what was held is dropped, never sent late
+                    if from_encoder:
+                        return
+                    continue
                 await self._write(writer, data)
-        writer.close()  # one side ended: end the other, after what it has been sent
+        if not self._cut:
+            writer.close()  # one side ended: end the other, after what it has been sent
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         if data:
@@ -100,10 +128,7 @@ class FaultProxy:
         if self._hang:
             self._flowing.clear()
         else:
-            self._cut = True
-            # A close, not a reset: a reset would discard what the receiver has not read yet.
-            for writer in list(self._writers):
-                writer.close()
+            self.cut()
 
     def _abort_all(self) -> None:
         for writer in list(self._writers):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from receiver import EncoderReceiver, InvalidItemError
-from encoder_server.precompute import load_precomputed, main, precomputed_item
+from encoder_server.precompute import main
+from receiver.precomputed_files import load_precomputed, precomputed_item
 from testkit.rpc_log import logged_server
 from testkit import REPO_ROOT
 from testkit.images import image_bytes

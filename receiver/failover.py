@@ -1,0 +1,215 @@
+"""The failover loop: runs a request's shard calls on the encoders and re-places the items of every
+shard that failed, until all items are in or the request cannot succeed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from encoder_common.errors import Failover
+from protos import encoder_pb2 as pb
+
+from .channels import ClientTls, EncoderEndpoint
+from .discovery import EncoderDiscovery, EndpointPool, Resolver
+from .errors import ShardError
+from .health import FailoverPolicy, HealthTracker
+from .item_cache import ItemCache
+from .metrics import ReceiverMetrics
+from .affinity import DEFAULT_BALANCE, PlacementMemory, content_key
+from .placement import Affinity, RequestPlacement
+from .result import ItemResult
+from .shard_call import encode_shard
+from .shm import ShmReceiver
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("random", "affinity")
+
+
+@dataclass
+class Fleet:
+    """What every request of one receiver shares: the encoders, what is believed of their health,
+    the failover settings, the shared-memory transport and the counters."""
+
+    pool: EndpointPool
+    discovery: EncoderDiscovery
+    health: HealthTracker
+    policy: FailoverPolicy
+    metrics: ReceiverMetrics
+    shm: ShmReceiver | None
+    rng: random.Random  # the random sharding's
+    jitter: random.Random  # back-off jitter
+    placement: str = "random"  # or "affinity" (receiver.affinity)
+    balance: float = DEFAULT_BALANCE  # affinity's bound on one encoder's share, x the mean
+    in_flight: Counter[str] = field(default_factory=Counter)  # items sent and not yet settled, by encoder URL
+    memory: PlacementMemory = field(default_factory=PlacementMemory)  # where affinity sent each key lately
+
+    @classmethod
+    def connect(
+        cls,
+        urls: Sequence[str],
+        *,
+        tls: ClientTls | None,
+        auth_token: str | None,
+        resolver: Resolver,
+        refresh_s: float,
+        close_grace_s: float,
+        policy: FailoverPolicy,
+        metrics: ReceiverMetrics,
+        shm: ShmReceiver | None,
+        seed: int | None,
+        placement: str = "random",
+        balance: float = DEFAULT_BALANCE,
+    ) -> Fleet:
+        """The fleet behind `urls`; channels open on first use, one per encoder."""
+        discovery = EncoderDiscovery(urls, resolver=resolver, refresh_s=refresh_s, metrics=metrics)
+        pool = EndpointPool(
+            discovery,
+            close_grace_s=close_grace_s,
+            connect=lambda url: EncoderEndpoint.connect(url, tls=tls, auth_token=auth_token),
+        )
+        health = HealthTracker(policy)
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if balance < 1.0:
+            raise ValueError(f"balance must be at least 1.0, got {balance}")
+        rngs = {"rng": random.Random(seed), "jitter": random.Random()}
+        settings = {"placement": placement, "balance": balance}
+        return cls(pool, discovery, health, policy, metrics, shm, **rngs, **settings)
+
+    def shard_failed(self, error: ShardError) -> None:
+        """Counts the failure; an unreachable encoder makes discovery re-resolve and skip it a while."""
+        self.metrics.shard_failed(error.encoder_url, error.status)
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            self.discovery.report_failure(error.encoder_url)
+
+
+@dataclass
+class EncodeJob:
+    """One `encode` call as the loop sees it: its id and deadline, where its items land, and its options."""
+
+    request_id: str
+    deadline: float
+    results: dict[int, ItemResult]
+    num_items_assigned: Sequence[int] | None = None  # fixes random placement's first counts
+    lease: pb.Lease | None = None
+    on_item: Callable[[ItemResult], None] | None = None  # told of each item as its last byte arrives
+
+
+async def encode_items(
+    fleet: Fleet, cache: ItemCache | None, job: EncodeJob, sources: Mapping[int, bytes]
+) -> None:
+    """Puts every item of `sources` (image bytes by index) in `job.results`: from the receiver cache when
+    there is one, else through `encode_with_failover`. Content keys are computed here, once per item,
+    when the cache or affinity placement needs them. Calls that fix counts or ask for a lease bypass
+    the cache: a lease is had only from an encoder that just encoded the item."""
+    keyed = cache is not None or fleet.placement == "affinity"
+    keys = {index: content_key(data) for index, data in sources.items()} if keyed else None
+
+    async def encode(indices: Sequence[int], on_item: Callable[[ItemResult], None]) -> None:
+        shard = {index: sources[index] for index in indices}
+        await encode_with_failover(fleet, dataclasses.replace(job, on_item=on_item), shard, keys)
+
+    if cache is None or job.lease is not None or job.num_items_assigned is not None:
+        await encode_with_failover(fleet, job, sources, keys)
+        return
+    hits, misses = await cache.encode_through(keys, job.results, encode)
+    fleet.metrics.cache_looked_up(hits, misses, cache.bytes)
+    if not misses:
+        await asyncio.sleep(0)  # served without any wait: let the other requests' streams in first
+
+
+async def encode_with_failover(
+    fleet: Fleet, job: EncodeJob, sources: Mapping[int, bytes], keys: Mapping[int, bytes] | None = None
+) -> None:
+    """Places `sources` (image bytes by item index) on encoders, and re-places those of every failed
+    shard, until all are in `job.results`.
+
+    `RequestPlacement` decides what each failure means; this loop runs the calls it plans. Items an
+    encoder refused as overloaded wait out their back-off on a timer while the other shards go on.
+    Encoders are looked up again (and `dns:` names re-resolved when due) at each placement, so
+    re-placed items can land on pods that just appeared. Under affinity placement `keys` holds each
+    item's content key (`affinity.content_key`).
+    """
+    request_id, deadline, results, lease = job.request_id, job.deadline, job.results, job.lease
+    by_content = None
+    if fleet.placement == "affinity":
+        keys = keys if keys is not None else {index: content_key(data) for index, data in sources.items()}
+        by_content = Affinity(keys, fleet.balance, fleet.in_flight, fleet.memory)
+    placement = RequestPlacement(
+        request_id, sources, deadline, fleet.policy,
+        num_items_assigned=job.num_items_assigned, jitter=fleet.jitter, affinity=by_content,
+    )  # fmt: skip
+    running: dict[asyncio.Task, EncoderEndpoint | None] = {}  # shard calls; back-off timers map to None
+
+    def arrived(result: ItemResult) -> None:
+        results[result.index] = result
+        placement.item_arrived(result)
+        if job.on_item is not None:
+            job.on_item(result)
+
+    async def shard(encoder: EncoderEndpoint, indices: list[int]) -> ShardError | None:
+        items = [(index, sources[index]) for index in indices]
+        fleet.in_flight[encoder.url] += len(items)
+        try:
+            return await encode_shard(
+                encoder, request_id, items,
+                deadline=deadline, policy=fleet.policy, arrived=arrived, shm=fleet.shm, lease=lease,
+            )  # fmt: skip
+        finally:
+            fleet.in_flight[encoder.url] -= len(items)
+
+    def settle(encoder: EncoderEndpoint, error: ShardError | None) -> None:
+        """A shard ended: its encoder is healthy, or its items go elsewhere or wait out a back-off."""
+        if error is None:
+            fleet.health.of(encoder).mark_healthy()
+            return
+        fleet.shard_failed(error)
+        retry = placement.shard_failed(error)  # raises when the request cannot succeed
+        if retry.failover is Failover.BACK_OFF:  # overloaded is not broken: not benched for others
+            fleet.metrics.retry(encoder.url, len(retry.item_indices))
+            timer = asyncio.sleep(retry.delay_s, result=retry.item_indices)
+            running[asyncio.create_task(timer)] = None
+        else:
+            fleet.health.of(encoder).mark_failed(f"{error.status}: {error.message}")
+            fleet.metrics.failover(encoder.url, len(retry.item_indices))
+            log.warning("request %s: %s; re-placing its items", request_id, error)
+
+    try:
+        while True:
+            if placement.pending:
+                known = await fleet.pool.endpoints()
+                usable = await fleet.health.usable(known, placement.benched, deadline)
+                planned = placement.plan(usable, len(known), fleet.rng)
+                shards = [(encoder, shard(encoder, indices)) for encoder, indices in planned]
+                if len(shards) == 1 and not running:
+                    # A lone call (all items on one encoder, nothing else pending) runs in this task:
+                    # no task and no wait of its own. Its gRPC deadline is the request's.
+                    encoder, call = shards[0]
+                    settle(encoder, await call)
+                    continue
+                for encoder, call in shards:
+                    running[asyncio.create_task(call)] = encoder
+            if not running:
+                return
+            time_left = placement.time_left()
+            finished, _ = await asyncio.wait(running, timeout=time_left, return_when=asyncio.FIRST_COMPLETED)
+            if not finished:
+                raise placement.deadline_passed()
+            for task in finished:
+                encoder = running.pop(task)
+                if encoder is None:  # a back-off timer: its items are due again
+                    placement.due_again(task.result())
+                else:
+                    settle(encoder, task.result())
+    finally:
+        for task in running:
+            task.cancel()
+        fleet.metrics.placed(placement.placed)

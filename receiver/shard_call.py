@@ -1,0 +1,206 @@
+"""One streaming call to one encoder, read into a `ShardAssembler` under a stall watch: an Encode call
+for a shard of a request's items, or a Fetch call for leased items. Both read the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from encoder_common.errors import SharedMemoryUnavailableError, error_class_for
+from protos import encoder_pb2 as pb
+from protos import wire
+
+from .assembly import Allocator, ShardAssembler, StreamProtocolError
+from .channels import EncoderEndpoint
+from .errors import ShardError
+from .health import FailoverPolicy
+from .result import ItemResult
+from .shm import ShmReceiver
+
+
+@dataclass(frozen=True)
+class CallFailure:
+    """How a call ended before all its items arrived: a status code, or None for a stream that broke
+    the contract (or whose shared memory could not be used)."""
+
+    code: grpc.StatusCode | None
+    message: str
+
+
+async def read_call(
+    endpoint: EncoderEndpoint,
+    call: grpc.aio.UnaryStreamCall,
+    assembler: ShardAssembler,
+    policy: FailoverPolicy,
+    arrived: Callable[[ItemResult], None] | None = None,
+) -> CallFailure | None:
+    """Feeds every message of `call` to `assembler`, handing each finished item to `arrived`.
+
+    Returns None when the stream ended cleanly (the caller checks that nothing is missing). A stream
+    silent for `stall_timeout_s` whose encoder then fails a health probe is cancelled and reported
+    as UNAVAILABLE.
+    """
+    watch = StallWatch(policy, endpoint, call)
+    try:
+        async for message in call:
+            watch.last_message = time.monotonic()
+            done = assembler.feed(message)
+            if done is not None and arrived is not None:
+                arrived(done)
+    except grpc.aio.AioRpcError as exc:
+        if watch.stalled:
+            return CallFailure(grpc.StatusCode.UNAVAILABLE, watch.reason)
+        return CallFailure(exc.code(), exc.details() or "")
+    except (StreamProtocolError, SharedMemoryUnavailableError) as exc:
+        call.cancel()
+        return CallFailure(None, str(exc))
+    except asyncio.CancelledError:
+        if watch.stalled:  # the watch cancelled the call; nobody cancelled this task
+            return CallFailure(grpc.StatusCode.UNAVAILABLE, watch.reason)
+        raise
+    finally:
+        watch.stop()
+    return None
+
+
+async def encode_shard(
+    endpoint: EncoderEndpoint,
+    request_id: str,
+    items: Sequence[tuple[int, bytes]],
+    *,
+    deadline: float,
+    policy: FailoverPolicy,
+    arrived: Callable[[ItemResult], None],
+    shm: ShmReceiver | None = None,
+    lease: pb.Lease | None = None,
+) -> ShardError | None:
+    """One Encode call for `items` ((index, image bytes) pairs) on one encoder.
+
+    Returns None when every item arrived, else a ShardError naming the items that did not; an item
+    cut off half-way is dropped whole, so a retry rewrites it from scratch. Items whose shared-memory
+    segment could not be read are asked for again over the stream.
+    """
+    indices = [index for index, _ in items]
+    withheld = lease is not None and lease.withhold_payload
+    shm_offer = shm.offer(endpoint.url) if shm is not None and not withheld else None
+    request = wire.encode_request(
+        pb.EncodeRequest(request_id=request_id, shm=shm_offer, lease=lease),
+        [(pb.ImageItem(index=index, modality=pb.IMAGE), data) for index, data in items],
+    )
+    read_shm = shm.reader(request_id) if shm_offer is not None else None
+    assembler = ShardAssembler(indices, endpoint.url, read_shm, payloads=not withheld)
+
+    def failed(code: grpc.StatusCode | None, message: str, missing: Sequence[int]) -> ShardError:
+        return ShardError(
+            encoder_url=endpoint.url, request_id=request_id, item_indices=missing, code=code, message=message
+        )
+
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call", indices)
+    call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
+    failure = await read_call(endpoint, call, assembler, policy, arrived)
+    if failure is not None:
+        return failed(failure.code, failure.message, assembler.missing())
+    if assembler.refetch:
+        again = [(index, data) for index, data in items if index in assembler.refetch]
+        error = await encode_shard(
+            endpoint, request_id, again, deadline=deadline, policy=policy, arrived=arrived, lease=lease
+        )
+        if error is not None:
+            return error
+    missing = [index for index in assembler.missing() if index not in assembler.refetch]
+    if missing:
+        return failed(None, "stream ended before these items arrived", missing)
+    return None
+
+
+async def fetch_shard(
+    endpoint: EncoderEndpoint,
+    request_id: str,
+    keys: Sequence[bytes],
+    *,
+    deadline: float,
+    policy: FailoverPolicy,
+    shm: ShmReceiver | None = None,
+    allocate: Allocator | None = None,
+) -> list[ItemResult]:
+    """One Fetch call: the leased items of `keys`, in order, each received into a tensor from `allocate`.
+
+    Raises the status's error class (NotFoundError for a key the encoder does not hold; UnavailableError
+    for a stalled stream), or StreamProtocolError when the stream breaks the contract. Items whose
+    shared-memory segment could not be used are fetched again over the stream.
+    """
+    shm_offer = shm.offer(endpoint.url) if shm is not None else None
+    request = pb.FetchRequest(request_id=request_id, keys=keys, shm=shm_offer)
+    read_shm = shm.reader(request_id) if shm_offer is not None else None
+    assembler = ShardAssembler(range(len(keys)), endpoint.url, read_shm, allocate)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the deadline passed before the call")
+    call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
+    failure = await read_call(endpoint, call, assembler, policy)
+    if failure is not None:
+        if failure.code is None:
+            raise StreamProtocolError(failure.message)
+        raise error_class_for(failure.code)(f"{failure.code.name}: {failure.message}")
+    results = dict(assembler.items)
+    if assembler.refetch:
+        again = [keys[i] for i in assembler.refetch]
+        refetched = await fetch_shard(
+            endpoint, request_id, again, deadline=deadline, policy=policy, allocate=allocate
+        )
+        for index, item in zip(assembler.refetch, refetched):
+            item.index = index
+            results[index] = item
+    missing = [i for i in range(len(keys)) if i not in results]
+    if missing:
+        raise StreamProtocolError(f"Fetch stream from {endpoint.url} ended before items {missing} arrived")
+    return [results[i] for i in range(len(keys))]
+
+
+class StallWatch:
+    """Watches one call: after `stall_timeout_s` without a message it probes the encoder, and
+    cancels the call unless the probe answers SERVING (a busy encoder is left alone).
+
+    A timer, not a task: a call that streams along costs one timer handle, and a probe task is made
+    only when the stream has been silent that long.
+    """
+
+    __slots__ = ("policy", "endpoint", "call", "last_message", "stalled", "reason", "_timer", "_probe")
+
+    def __init__(self, policy: FailoverPolicy, endpoint: EncoderEndpoint, call: grpc.aio.UnaryStreamCall):
+        self.policy = policy
+        self.endpoint = endpoint
+        self.call = call
+        self.last_message = time.monotonic()
+        self.stalled = False
+        self.reason = ""
+        self._probe: asyncio.Task | None = None
+        self._timer = asyncio.get_running_loop().call_later(policy.stall_timeout_s, self._check)
+
+    def _check(self) -> None:
+        wait = self.last_message + self.policy.stall_timeout_s - time.monotonic()
+        if wait > 0:
+            self._timer = asyncio.get_running_loop().call_later(wait, self._check)
+        else:
+            self._probe = asyncio.create_task(self._probe_encoder())
+
+    async def _probe_encoder(self) -> None:
+        if await self.endpoint.is_serving(self.policy.probe_timeout_s):
+            self.last_message = time.monotonic()
+            self._check()
+            return
+        self.stalled = True
+        silence = self.policy.stall_timeout_s
+        self.reason = f"no message for {silence:g} s and no SERVING answer to a health probe: abandoned"
+        self.call.cancel()
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._probe is not None:
+            self._probe.cancel()
