@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +14,6 @@ from encoder_common.sources import SourcePolicy, SourceReader
 # guessing would send the wrong bytes. An item carrying its embedding may omit data and url.
 PRECOMPUTED_KEYS = frozenset({"precomputed_embedding", "precomputed_deepstack", "grid_thw", "weights_fingerprint"})
 ITEM_KEYS = frozenset({"modality", "data", "url"}) | PRECOMPUTED_KEYS
-
-
-@dataclass(frozen=True)
-class ImageSource:
-    """One image to send: its position in the caller's request, and its encoded bytes."""
-
-    index: int
-    data: bytes
 
 
 def modality_name(item: Mapping[str, Any]) -> str:
