@@ -8,7 +8,7 @@ import sys
 
 # The top-level modules each extra of pyproject.toml installs.
 EXTRA_MODULES = {
-    "server": ("transformers", "torchvision", "PIL", "grpc_reflection", "tqdm", "zmq", "xxhash", "aiohttp"),
+    "server": ("transformers", "torchvision", "PIL", "grpc_reflection", "tqdm", "zmq", "aiohttp"),
     "gateway": ("aiohttp",),
 }
 
