@@ -29,8 +29,7 @@ MODEL = "tiny"  # --served-model-name of both engines
 LEASE_MS = 120_000
 
 # Every request's images, by case; the engine alone answers each once, from the raw images. Sides are
-# multiples of 28 (one merged token): other sizes are resized, and the encoders' PIL resize and vLLM's
-# torchvision one differ by enough to move logprobs by ~1e-2, which is not what these tests are about.
+# multiples of 28 (one merged token); tests/test_gateway_engine_images.py covers other sizes and file kinds.
 CASES = {
     "1": images([(224, 168)], seed=1),
     "2": images([(112, 112), (308, 196)], seed=2),
