@@ -1,20 +1,18 @@
 """Checks `encoder_server.sglang.embedding_data.LAYOUTS` against each SGLang release's own unpickler: downloads
-each release's wheel (pip download --no-deps), runs its `SafeUnpickler` source on the pickles we send
-(testkit/sglang_releases.py) and prints, per release, the layout it gets and what, if anything, fails.
+each release's wheel (pip download --no-deps, into --wheel-dir), runs its `SafeUnpickler` source on the pickles
+we send (testkit/sglang_releases.py) and prints, per release, the layout it gets and what, if anything, fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
 
 from encoder_server.sglang.embedding_data import LAYOUTS, layout_for
-from testkit.sglang_releases import COMMON, check_release, read_sources
+from testkit.sglang_releases import COMMON, WHEEL_DIR, check_release, read_sources, release_wheel
 
 # The newest build of each release from 0.5.13, the first with safe_pickle_loads.
 RELEASES = (
@@ -23,29 +21,18 @@ RELEASES = (
 )  # fmt: skip
 
 
-def wheel(version: str, directory: Path) -> Path:
-    """The release's wheel in `directory`, downloaded there first if missing."""
-    found = sorted(directory.glob(f"sglang-{version}-*.whl"))
-    if not found:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={version}", "-d", str(directory)],
-            check=True,
-        )
-        found = sorted(directory.glob(f"sglang-{version}-*.whl"))
-    return found[0]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--wheel-dir", type=Path, help="where the wheels are or go (default: a temporary folder)")
+    parser.add_argument(
+        "--wheel-dir", type=Path, default=WHEEL_DIR, help="where the wheels are or go (default: %(default)s)"
+    )
     parser.add_argument("releases", nargs="*", default=RELEASES, help="SGLang versions to check")
     args = parser.parse_args(argv)
-    directory = args.wheel_dir or Path(tempfile.mkdtemp(prefix="sglang-wheels-"))
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = args.wheel_dir
     failures = 0
     print(f"{'SGLang':<14}{'EmbeddingData':<58}{'Modality':<44}result")
     for version in args.releases:
-        sources = read_sources(wheel(version, directory))
+        sources = read_sources(release_wheel(version, directory))
         layout = layout_for(version)
         problems = check_release(sources, layout) if "class SafeUnpickler" in sources.get(COMMON, "") else [
             "no SafeUnpickler in this release"

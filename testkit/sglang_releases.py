@@ -1,7 +1,8 @@
 """Runs an SGLang release's own `SafeUnpickler` (its source, read from its wheel or install) on the
 `EmbeddingData` pickles we send, without installing that release: the classes its allowlist admits
 resolve to stand-ins, so only its allowlist decides, and the rebuilt object's attributes are
-compared with what that release's `EmbeddingData.__init__` sets.
+compared with what that release's `EmbeddingData.__init__` sets. Wheels are downloaded once into
+$SGLANG_WHEEL_DIR (default ~/.cache/encoder-server/sglang-wheels).
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 import ast
 import enum
 import io
+import os
 import pickle
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +24,20 @@ from encoder_server.sglang.embedding_data import EmbeddingDataLayout, PartMeta, 
 
 COMMON = "sglang/srt/utils/common.py"
 RECEIVERS = ("sglang/srt/disaggregation/encoder/receiver.py", "sglang/srt/disaggregation/encode_receiver.py")
+WHEEL_DIR = Path(os.environ.get("SGLANG_WHEEL_DIR", Path.home() / ".cache" / "encoder-server" / "sglang-wheels"))
+
+
+def release_wheel(version: str, directory: Path = WHEEL_DIR) -> Path:
+    """The release's wheel in `directory`, downloaded there first (pip download --no-deps) if missing."""
+    found = sorted(directory.glob(f"sglang-{version}-*.whl"))
+    if not found:
+        directory.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"sglang=={version}", "-d", str(directory)],
+            check=True,
+        )
+        found = sorted(directory.glob(f"sglang-{version}-*.whl"))
+    return found[0]
 
 
 def read_sources(location: Path) -> dict[str, str]:

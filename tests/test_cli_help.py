@@ -17,6 +17,7 @@ from encoder_common.env_flags import comma_separated, config_from_args
 from encoder_server import cli
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig, pixels_or_engine, port_or_off
+from encoder_server.sglang.config import sglang_release
 from encoder_server.shm import ShmConfig
 from encoder_common.sources import SourcePolicy, networks, root_paths
 from encoder_server.tls import TlsConfig
@@ -100,6 +101,8 @@ def sample_value(action: argparse.Action) -> tuple[str, object]:
         return "a, b", ("a", "b")
     if action.type is root_paths:
         return "/a,/b", (Path("/a"), Path("/b"))
+    if action.type is sglang_release:
+        return "0.5.21", "0.5.21"
     if action.type is networks:
         return "10.1.2.3, fd00::/8", networks("10.1.2.3,fd00::/8")
     assert action.type is None, f"add a sample for {action.option_strings} (type {action.type})"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import pickletools
 import re
 import socket
 import time
@@ -23,6 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from encoder_common.errors import DeadlineExceededError, InvalidItemError, OverloadedError, UnsupportedModalityError
 from encoder_server.models import load_vision_encoder
 from encoder_server.sglang.config import SglangConfig
+from encoder_server.sglang.embedding_data import LAYOUTS, layout_for
 from encoder_server.sglang.items import read_item, sniff_non_image
 from encoder_server.sglang.servicer import SEND_UNIMPLEMENTED, SERVICE_NAME, ReceiveUrls
 from encoder_common.sources import SourcePolicy, SourceReader
@@ -108,6 +110,36 @@ async def test_a_part_is_pushed_as_two_frames_and_the_response_describes_it(stub
     assert response.embedding_dim == 2048 and response.embedding_len > 0
     assert len(tensor) == response.embedding_size == response.embedding_len * 2048 * 4  # float32 rows
     assert b"sglang.srt.disaggregation.encoder.receiver\nEmbeddingData" in meta and b"r-1" in meta
+
+
+def pickle_globals(meta: bytes) -> set[tuple[str, str]]:
+    """The (module, name) of every class an EmbeddingData pickle names."""
+    return {tuple(arg.split(" ")) for op, arg, _ in pickletools.genops(meta) if op.name == "GLOBAL"}
+
+
+@pytest.mark.parametrize("version", [None, "0.5.21", "0.5.15.post1"])
+async def test_the_pushed_pickles_follow_the_configured_sglang_release(default_model_dir, pull, version):
+    """Embeddings and errors alike; tests/test_sglang_version.py runs each release's unpickler on them."""
+    socket, port = pull
+    layout = LAYOUTS[0] if version is None else layout_for(version)
+    sglang = SglangConfig() if version is None else SglangConfig(version=version)
+    encoder = EncoderDouble(tokens=3, hidden_size=8, dtype=torch.float32)
+    async with running_server(default_model_dir, encoder=encoder, sglang=sglang) as server:
+        async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
+            stub = sglang_grpc.SglangEncoderStub(channel)
+            fields = {"num_parts": 1, "part_idx": 0, "prefill_host": "127.0.0.1", "embedding_port": [port]}
+            good, bad = [data_uri(image_bytes(20, 20))], ["data:image/png;base64,AAAA"]
+            await stub.Encode(sglang_pb.EncodeRequest(mm_items=good, req_id="ok", **fields))
+            embedding_meta, _ = await asyncio.wait_for(socket.recv_multipart(), 10)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Encode(sglang_pb.EncodeRequest(mm_items=bad, req_id="bad", **fields))
+            (error_meta,) = await asyncio.wait_for(socket.recv_multipart(), 10)
+    assert pickle_globals(embedding_meta) == {layout.embedding_data, layout.modality, ("torch", "float32")}
+    assert pickle_globals(error_meta) == {layout.embedding_data, layout.modality}
+    assert b"bad" in error_meta and b"error_msg" in error_meta
+    # the attribute only that layout's EmbeddingData has (_mr_ptr from 0.5.19, cached_embedding before)
+    for name in ("_mr_ptr", "cached_embedding"):
+        assert (name.encode() in embedding_meta) == (name in layout.attributes), name
 
 
 async def test_deepstack_layers_go_beside_the_embedding_as_sglang_splits_them(default_model_dir, pull):

@@ -43,7 +43,7 @@ from ..checks import check_receive_url_request, check_sglang_encode_request, par
 from ..sender import ItemSender
 from ..streams import StreamBudget, StreamCharge
 from .config import SglangConfig
-from .embedding_data import PartMeta, embedding_data_pickle
+from .embedding_data import EmbeddingDataLayout, PartMeta, embedding_data_pickle
 from .items import read_item
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,11 @@ class SglangEncoderServicer:
         self.server_config = server_config
         self.config: SglangConfig = server_config.sglang
         self.metrics = metrics
+        self.layout = self.config.layout
+        log.info(
+            "SglangEncoder pushes EmbeddingData for SGLang %s (the layout of %s to %s; --sglang-version)",
+            self.config.version, self.layout.first, self.layout.last,
+        )  # fmt: skip
         self.receive_urls = ReceiveUrls(self.config.receive_url_timeout_s, self.config.max_pending_registrations)
         self._zmq = zmq.Context()
         self._background: set[asyncio.Future] = set()
@@ -232,7 +237,7 @@ class SglangEncoderServicer:
                 read.cancel()  # the other items' reads, when one failed
         items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=data) for i, data in enumerate(datas)]
         async with contextlib.aclosing(pipeline.payloads(items, charge)) as payloads:
-            return _join(request, [payload async for _, payload, _, _ in payloads])
+            return _join(request, [payload async for _, payload, _, _ in payloads], self.layout)
 
     async def _push(self, endpoint: str, frames: list[bytes], timeout_s: float | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -284,7 +289,8 @@ class SglangEncoderServicer:
                 part_idx=request.part_idx,
                 error_msg=message,
                 error_code=code,
-            )
+            ),
+            self.layout,
         )
         timeout_s = min(self.config.push_timeout_s, ERROR_PUSH_TIMEOUT_S)
         pushes = asyncio.gather(*(self._push(endpoint, [meta], timeout_s) for endpoint in endpoints))
@@ -322,7 +328,9 @@ def _endpoint_of_url(url: str) -> str:
     return _endpoint(host, int(port))
 
 
-def _join(request: sglang_pb.EncodeRequest, payloads: Sequence[ItemPayload]) -> _Part:
+def _join(
+    request: sglang_pb.EncodeRequest, payloads: Sequence[ItemPayload], layout: EmbeddingDataLayout
+) -> _Part:
     """The part's items' embeddings joined row-wise, in SGLang's layout: deepstack layers (Qwen3-VL)
     side by side with the embedding along the width, as SGLang's encoder concatenates them."""
     headers = [payload.header for payload in payloads]
@@ -346,7 +354,8 @@ def _join(request: sglang_pb.EncodeRequest, payloads: Sequence[ItemPayload]) -> 
             grid_thw=[list(header.grid_thw) for header in headers],
             dtype=dtype,
             shape=[tokens, width],
-        )
+        ),
+        layout,
     )
     return _Part(meta, tensor, tokens, width, headers)
 
