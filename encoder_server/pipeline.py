@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 
 from protos import encoder_pb2 as pb
-from encoder_common.errors import InvalidItemError
+from encoder_common.errors import InvalidItemError, OverloadedError
 from encoder_common.sources import SourceReader
 
 from .batcher import Batcher
@@ -150,7 +150,13 @@ class ItemPipeline:
         spec = self.encoder.spec
         payload_bytes = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size * spec.dtype.itemsize
         input_bytes = prepared.pixel_values.numel() * prepared.pixel_values.element_size()
-        await charge.reserve(index, 2 * payload_bytes + input_bytes)  # the output, its chunks, the input
+        try:
+            await charge.reserve(index, 2 * payload_bytes + input_bytes)  # the output, its chunks, the input
+        except OverloadedError:
+            # The refusal's traceback keeps this frame until the cyclic collector runs: without the pixel
+            # values, which would otherwise stay resident, uncharged, for every call refused meanwhile.
+            del prepared
+            raise
         (future,) = self.batcher.submit([prepared])
         admitted.done()  # it counts in the batcher's queue now
         encoded = await future
