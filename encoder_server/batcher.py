@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class BatchingConfig:
     max_batch_images: int = field(default=32, metadata=flag("images per forward at most"))
-    max_batch_patches: int = field(default=65536, metadata=flag("patches per forward at most"))
+    # The forward's activations grow with its patches: 16384 (two 1792-token images, sixteen 448x448 ones)
+    # keeps the built-in model's tiny tower under ~150 MiB; docs/reliability-security.md has the figures.
+    max_batch_patches: int = field(default=16384, metadata=flag("patches per forward at most"))
     max_wait_ms: float = field(
         default=0.0, metadata=flag("wait this long for more work before a forward", name="--batch-wait-ms")
     )
