@@ -5,7 +5,9 @@
 #                                    packaging, and sets PIP for the caller
 # engine_venv must be called as a plain command, never in an `if`, `&&` or `||` list: there bash ignores
 # `set -e` inside the function, and a failed install would go unnoticed.
-# The caller writes WANT to STAMP once its venv imports.
+#   engine_venv_done VENV STAMP WANT IMPORTS
+#                                    checks that IMPORTS (a Python import line) run in VENV, showing the
+#                                    error and failing if not, then writes WANT to STAMP
 PYTHON=${PYTHON:-python3}
 
 engine_venv_current() {
@@ -20,4 +22,13 @@ engine_venv() {
   "${PIP[@]}" --upgrade pip >/dev/null
   # The `!=` keeps the local CPU-only wheel of the same version out.
   "${PIP[@]}" "torch==2.13.0,!=2.13.0+cpu" "torchvision==0.28.0" packaging
+}
+
+engine_venv_done() {
+  if ! HF_HUB_OFFLINE=1 "$1/bin/python" -c "$4" >/dev/null 2>&1; then
+    echo "$(basename "$0"): '$4' fails in $1" >&2
+    HF_HUB_OFFLINE=1 "$1/bin/python" -c "$4"
+    return 1
+  fi
+  echo "$3" > "$2"
 }

@@ -63,9 +63,4 @@ xxhash>=3.4
 EOF
 "${PIP[@]}" -r "$VENV/engine-requirements.txt"
 IMPORTS="import vllm, torchvision${SGLANG_SPEC:+, sglang.srt.disaggregation.encoder.receiver}"
-HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "$IMPORTS" >/dev/null 2>&1 || {
-  echo "setup_engines: the engines do not import in $VENV" >&2
-  HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "$IMPORTS"
-  exit 1
-}
-echo "$WANT" > "$STAMP"
+engine_venv_done "$VENV" "$STAMP" "$WANT" "$IMPORTS"

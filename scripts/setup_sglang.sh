@@ -52,9 +52,4 @@ pydantic-extra-types[pycountry]
 EOF
 "${PIP[@]}" -r "$VENV/sglang-requirements.txt"
 check="import sglang.launch_server, sglang.srt.models.qwen2_5_vl, vllm._custom_ops, torchvision"
-HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "$check" >/dev/null 2>&1 || {
-  echo "setup_sglang: SGLang's server does not import in $VENV" >&2
-  HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "$check"
-  exit 1
-}
-echo "$WANT" > "$STAMP"
+engine_venv_done "$VENV" "$STAMP" "$WANT" "$check"
