@@ -9,7 +9,7 @@ import sys
 
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
 from encoder_common.extras import require_extra
-from encoder_common.malloc import tune_malloc
+from encoder_common.malloc import tune_server_malloc
 from encoder_common.sources import add_deprecated_source_flags
 
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    tune_malloc()
+    tune_server_malloc()
 
     import asyncio
 

@@ -105,7 +105,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             lease = request.lease if request.HasField("lease") else None
             if lease is not None and self.leases is None:
                 raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
-            async with self.streams.call() as charge:
+            async with self.streams.call(context.peer()) as charge:
                 shm = ShmCall(self.shm, request)
                 sender = ItemSender(context, charge, record, shm, leases=self.leases, lease=lease)
                 await sender.send_all(self.pipeline.payloads(request.items, charge))
@@ -117,7 +117,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             raise NotFoundError("this server grants no leases (--lease-max-bytes is 0): nothing to fetch")
         payloads = [self.leases.get(key) for key in request.keys]
         with self.metrics.record("fetch", len(payloads), context) as record:
-            async with self.streams.call() as charge:
+            async with self.streams.call(context.peer()) as charge:
                 sender = ItemSender(context, charge, record, ShmCall(self.shm, request))
                 await sender.send_all(leased_payloads(payloads, charge))
         for key in request.keys:

@@ -18,6 +18,11 @@ cannot reset a stream from the server: the message a cut stream was sending stay
 its receiver reads it or goes (cancels, reaches its deadline, disconnects). A cut call therefore
 gives back its payloads at once but stays charged for that message and its state until it is really
 over; however many receivers stall, what they leave inside gRPC is within the budget.
+
+The last quarter of the budget is kept for connections that read: a call is admitted into it only
+when the last call that finished on the same connection (the same gRPC peer) sent everything, and
+no stream of that connection has been cut since. Never-reading clients can hold at most three
+quarters, so a receiver that keeps its channel open is served while they wait to be cut.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import asyncio
 import logging
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from encoder_common.env_flags import flag
@@ -42,7 +48,11 @@ EVICT_AFTER_S = 1.0
 CALL_STATE_BYTES = 64 << 10
 # The most a live call keeps inside gRPC at once: its state and a copy of the largest message it sends.
 CALL_BYTES = CALL_STATE_BYTES + wire.CHUNK_BYTES + 16
-DEFAULT_STREAM_BUFFER_BYTES = 512 << 20
+DEFAULT_STREAM_BUFFER_BYTES = 256 << 20
+# The part of the budget only connections that read may use: 1 / READER_SHARE of it.
+READER_SHARE = 4
+# Connections remembered as reading (an LRU of gRPC peer strings, ~100 bytes each).
+MAX_READERS = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +95,7 @@ class StreamBudget:
         self.refused = 0  # calls refused for want of room
         self.stalled = 0  # streams cut by the watchdog or for a new call's room
         self._calls: set[StreamCharge] = set()
+        self._readers: OrderedDict[str, None] = OrderedDict()  # peers whose last call was read to its end
         self._watchdog: asyncio.Task | None = None
 
     @property
@@ -92,10 +103,11 @@ class StreamBudget:
         """Calls cut and not yet over: each still holds what it left inside gRPC."""
         return sum(1 for charge in self._calls if charge.cut_why is not None)
 
-    def call(self) -> StreamCharge:
-        """Admits the current call: `async with budget.call() as charge:` around all its work. Refuses it
-        (OverloadedError) when its CALL_BYTES do not fit even after cutting streams nobody reads."""
-        return StreamCharge(self, asyncio.current_task())
+    def call(self, peer: str) -> StreamCharge:
+        """Admits the current call from `peer` (`context.peer()`: one gRPC connection): `async with
+        budget.call(peer) as charge:` around all its work. Refuses it (OverloadedError) when its
+        CALL_BYTES do not fit even after cutting streams nobody reads."""
+        return StreamCharge(self, asyncio.current_task(), reader=peer in self._readers, peer=peer)
 
     def start(self) -> None:
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
@@ -104,13 +116,16 @@ class StreamBudget:
         if self._watchdog is not None:
             self._watchdog.cancel()
 
-    def _fits(self, nbytes: int) -> bool:
-        # An item larger than the whole budget still passes when nothing else is held.
-        return not self.held or self.held + nbytes <= self.limits.max_bytes
+    def _limit(self, reader: bool) -> int:
+        return self.limits.max_bytes if reader else self.limits.max_bytes - self.limits.max_bytes // READER_SHARE
 
-    async def _reserve(self, nbytes: int) -> None:
-        if not self._fits(nbytes) and not (await self._evict_unread() and self._fits(nbytes)):
-            self._refuse(nbytes)
+    def _fits(self, nbytes: int, reader: bool) -> bool:
+        # An item larger than the whole budget still passes when nothing else is held.
+        return not self.held or self.held + nbytes <= self._limit(reader)
+
+    async def _reserve(self, nbytes: int, reader: bool) -> None:
+        if not self._fits(nbytes, reader) and not (await self._evict_unread() and self._fits(nbytes, reader)):
+            self._refuse(nbytes, reader)
         self.held += nbytes
         self.peak = max(self.peak, self.held)
 
@@ -130,17 +145,26 @@ class StreamBudget:
             await asyncio.sleep(0)
         return bool(unread)
 
+    def _read_to_the_end(self, peer: str) -> None:
+        self._readers[peer] = None
+        self._readers.move_to_end(peer)
+        if len(self._readers) > MAX_READERS:
+            self._readers.popitem(last=False)
+
     def _cut(self, charge: StreamCharge, why: str) -> None:
+        self._readers.pop(charge.peer, None)
         self.stalled += 1
         log.warning("Encode stream cut, %d bytes held: %s", charge.held, why)
         charge.cut(why)
 
-    def _refuse(self, nbytes: int) -> None:
+    def _refuse(self, nbytes: int, reader: bool) -> None:
         self.refused += 1
         need = f" (this call needs {nbytes} more)" if nbytes else ""
+        limit = f"its limit is {self.limits.max_bytes} (--stream-buffer-bytes)"
+        if not reader:
+            limit += f", {self._limit(False)} for a connection that has not read a call to its end"
         raise OverloadedError(
-            f"the server holds {self.held} bytes for calls in progress{need}, "
-            f"its limit is {self.limits.max_bytes} (--stream-buffer-bytes): try another encoder or later"
+            f"the server holds {self.held} bytes for calls in progress{need}, {limit}: try another encoder or later"
         )
 
     async def _watch(self) -> None:
@@ -159,11 +183,13 @@ class StreamCharge:
     for its receiver to take a message. An async context manager: entering admits the call, leaving
     gives everything back once the call is really over."""
 
-    __slots__ = ("budget", "task", "held", "sending_since", "cut_why", "settled", "_items")
+    __slots__ = ("budget", "task", "reader", "peer", "held", "sending_since", "cut_why", "settled", "_items")
 
-    def __init__(self, budget: StreamBudget, task: asyncio.Task | None):
+    def __init__(self, budget: StreamBudget, task: asyncio.Task | None, *, reader: bool, peer: str):
         self.budget = budget
         self.task = task
+        self.reader = reader  # its connection read its last call to the end: the whole budget is open to it
+        self.peer = peer
         self.held = 0
         self.sending_since: float | None = None
         self.cut_why: str | None = None  # why the budget cut this call's stream, once it did
@@ -171,7 +197,7 @@ class StreamCharge:
         self._items: dict[int, int] = {}  # item index -> bytes charged for it
 
     async def __aenter__(self) -> StreamCharge:
-        await self.budget._reserve(CALL_BYTES)
+        await self.budget._reserve(CALL_BYTES, self.reader)
         self.held = CALL_BYTES
         self.budget._calls.add(self)
         return self
@@ -185,12 +211,14 @@ class StreamCharge:
             self.held = 0
             self._items.clear()
             self.budget._calls.discard(self)
+        if exc is None and self.cut_why is None:
+            self.budget._read_to_the_end(self.peer)
         if isinstance(exc, StreamCut):
             raise OverloadedError(f"the stream was cut: {exc}") from None
 
     async def reserve(self, index: int, nbytes: int) -> None:
         """Charges item `index`'s payload; raises OverloadedError when it does not fit."""
-        await self.budget._reserve(nbytes)
+        await self.budget._reserve(nbytes, self.reader)
         self._items[index] = self._items.get(index, 0) + nbytes
         self.held += nbytes
 

@@ -161,7 +161,7 @@ def serve_made_up(model: str) -> None:
     """The server of `--encoder made-up`: default settings, outputs made up afresh for every item."""
     import torch
 
-    from encoder_common.malloc import tune_malloc
+    from encoder_common.malloc import tune_server_malloc
     from encoder_server.models import ImageEmbedding
     from encoder_server.server import EncoderServer
     from testkit.encoders import EncoderDouble
@@ -172,7 +172,7 @@ def serve_made_up(model: str) -> None:
         def encode(self, batch):
             return [ImageEmbedding(out.embedding.clone()) for out in super().encode(batch)]
 
-    tune_malloc()  # as the encoder-server CLI does
+    tune_server_malloc()  # as the encoder-server CLI does
 
     async def serve() -> None:
         server = EncoderServer(server_config(model, dtype=torch.bfloat16), encoder=FreshEncoder(tokens=1792))

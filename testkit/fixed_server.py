@@ -26,14 +26,14 @@ def serve(num_tokens: int, hidden_size: int) -> None:
     import torch
 
     from encoder_common.collector import freeze_startup_objects
-    from encoder_common.malloc import tune_malloc
+    from encoder_common.malloc import tune_server_malloc
     from encoder_server.server import EncoderServer
     from encoder_server.shm import ShmConfig
     from testkit.encoders import EncoderDouble
     from testkit.servers import server_config
 
     logging.basicConfig(level=logging.WARNING)
-    tune_malloc()  # as the encoder-server CLI does
+    tune_server_malloc()  # as the encoder-server CLI does
 
     async def run() -> None:
         config = server_config(REPO_ROOT / "no-checkpoint", dtype=torch.bfloat16, shm=ShmConfig(max_bytes=1 << 30))

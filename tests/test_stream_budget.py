@@ -117,6 +117,34 @@ async def test_stalled_streams_are_cut_and_charged_for_what_they_leave_in_grpc_u
             await channel.close()
 
 
+async def test_a_connection_that_reads_is_served_from_the_quarter_never_readers_cannot_take(
+    small_budget_server, monkeypatch
+):
+    server = small_budget_server
+    budget = server.streams
+    # No stream is cut for room in this test, however slow the machine: only the reserved quarter
+    # can let the reader in.
+    monkeypatch.setattr("encoder_server.streams.EVICT_AFTER_S", 3600.0)
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) for _ in range(4)]
+    try:
+        async with EncoderReceiver([server.url]) as rx:
+            await rx.encode("first", [{"data": image_bytes(9, 8)}])  # its connection has read a call
+            calls, began = await open_unread(channels, range(100, 104))
+            assert began == {"header": 2, "RESOURCE_EXHAUSTED": 2}  # three quarters: two 15 MiB calls
+            result = await rx.encode("reader", [{"data": image_bytes(10, 8)}])
+            assert torch.equal(result.items[0].embedding, server.encoder.output(10).embedding)
+            assert rx.metrics.snapshot()["retries"] == {} and budget.stalled == 0
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as fresh:  # has read nothing yet
+            _, began = await open_unread([fresh], range(11, 12))
+        assert began == {"RESOURCE_EXHAUSTED": 1}
+        for call in calls:
+            call.cancel()
+        assert await wait_until(lambda: budget.held == 0, timeout=30), budget.held
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
 async def test_over_long_free_text_fields_are_refused_naming_the_field(small_budget_server):
     server = small_budget_server
     request = encode_request("x" * 1_000_000)

@@ -197,7 +197,7 @@ class SglangEncoderServicer:
             try:
                 check_sglang_encode_request(request, self.server_config.max_items_per_request)
                 endpoints = [_endpoint(request.prefill_host, port) for port in request.embedding_port]
-                async with self.streams.call() as charge:  # the part's bytes count until pushed
+                async with self.streams.call(context.peer()) as charge:  # the part's bytes count until pushed
                     part = await self._encode_part(request, charge)
                     if not endpoints:  # zmq_to_scheduler: the receiving ranks register their URLs
                         remaining = context.time_remaining()
