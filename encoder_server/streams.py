@@ -107,7 +107,7 @@ class StreamBudget:
         """Admits the current call from `peer` (`context.peer()`: one gRPC connection): `async with
         budget.call(peer) as charge:` around all its work. Refuses it (OverloadedError) when its
         CALL_BYTES do not fit even after cutting streams nobody reads."""
-        return StreamCharge(self, asyncio.current_task(), reader=peer in self._readers, peer=peer)
+        return StreamCharge(self, asyncio.current_task(), peer)
 
     def start(self) -> None:
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
@@ -116,16 +116,18 @@ class StreamBudget:
         if self._watchdog is not None:
             self._watchdog.cancel()
 
-    def _limit(self, reader: bool) -> int:
-        return self.limits.max_bytes if reader else self.limits.max_bytes - self.limits.max_bytes // READER_SHARE
+    def _limit(self, peer: str) -> int:
+        """The whole budget for a connection that reads (see the module's docstring), else three quarters."""
+        full = self.limits.max_bytes
+        return full if peer in self._readers else full - full // READER_SHARE
 
-    def _fits(self, nbytes: int, reader: bool) -> bool:
+    def _fits(self, nbytes: int, peer: str) -> bool:
         # An item larger than the whole budget still passes when nothing else is held.
-        return not self.held or self.held + nbytes <= self._limit(reader)
+        return not self.held or self.held + nbytes <= self._limit(peer)
 
-    async def _reserve(self, nbytes: int, reader: bool) -> None:
-        if not self._fits(nbytes, reader) and not (await self._evict_unread() and self._fits(nbytes, reader)):
-            self._refuse(nbytes, reader)
+    async def _reserve(self, nbytes: int, peer: str) -> None:
+        if not self._fits(nbytes, peer) and not (await self._evict_unread() and self._fits(nbytes, peer)):
+            self._refuse(nbytes, peer)
         self.held += nbytes
         self.peak = max(self.peak, self.held)
 
@@ -157,12 +159,12 @@ class StreamBudget:
         log.warning("Encode stream cut, %d bytes held: %s", charge.held, why)
         charge.cut(why)
 
-    def _refuse(self, nbytes: int, reader: bool) -> None:
+    def _refuse(self, nbytes: int, peer: str) -> None:
         self.refused += 1
         need = f" (this call needs {nbytes} more)" if nbytes else ""
         limit = f"its limit is {self.limits.max_bytes} (--stream-buffer-bytes)"
-        if not reader:
-            limit += f", {self._limit(False)} for a connection that has not read a call to its end"
+        if (share := self._limit(peer)) < self.limits.max_bytes:
+            limit += f", {share} for a connection that has not read a call to its end"
         raise OverloadedError(
             f"the server holds {self.held} bytes for calls in progress{need}, {limit}: try another encoder or later"
         )
@@ -183,13 +185,12 @@ class StreamCharge:
     for its receiver to take a message. An async context manager: entering admits the call, leaving
     gives everything back once the call is really over."""
 
-    __slots__ = ("budget", "task", "reader", "peer", "held", "sending_since", "cut_why", "settled", "_items")
+    __slots__ = ("budget", "task", "peer", "held", "sending_since", "cut_why", "settled", "_items")
 
-    def __init__(self, budget: StreamBudget, task: asyncio.Task | None, *, reader: bool, peer: str):
+    def __init__(self, budget: StreamBudget, task: asyncio.Task | None, peer: str):
         self.budget = budget
         self.task = task
-        self.reader = reader  # its connection read its last call to the end: the whole budget is open to it
-        self.peer = peer
+        self.peer = peer  # its gRPC connection: whether that one reads decides how much of the budget is open
         self.held = 0
         self.sending_since: float | None = None
         self.cut_why: str | None = None  # why the budget cut this call's stream, once it did
@@ -197,7 +198,7 @@ class StreamCharge:
         self._items: dict[int, int] = {}  # item index -> bytes charged for it
 
     async def __aenter__(self) -> StreamCharge:
-        await self.budget._reserve(CALL_BYTES, self.reader)
+        await self.budget._reserve(CALL_BYTES, self.peer)
         self.held = CALL_BYTES
         self.budget._calls.add(self)
         return self
@@ -218,7 +219,7 @@ class StreamCharge:
 
     async def reserve(self, index: int, nbytes: int) -> None:
         """Charges item `index`'s payload; raises OverloadedError when it does not fit."""
-        await self.budget._reserve(nbytes, self.reader)
+        await self.budget._reserve(nbytes, self.peer)
         self._items[index] = self._items.get(index, 0) + nbytes
         self.held += nbytes
 

@@ -28,11 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("releases", nargs="*", default=RELEASES, help="SGLang versions to check")
     args = parser.parse_args(argv)
-    directory = args.wheel_dir
     failures = 0
     print(f"{'SGLang':<14}{'EmbeddingData':<58}{'Modality':<44}result")
     for version in args.releases:
-        sources = read_sources(release_wheel(version, directory))
+        sources = read_sources(release_wheel(version, args.wheel_dir))
         layout = layout_for(version)
         problems = check_release(sources, layout) if "class SafeUnpickler" in sources.get(COMMON, "") else [
             "no SafeUnpickler in this release"
