@@ -22,7 +22,7 @@ from .models import PreparedImage
 # An item's first chunks, before 1 MiB ones. The header and the first fit the 64 KiB HTTP/2 window a
 # gRPC client starts with; the second does not, so a receiver that never reads stalls on it. (A client
 # that has read the header may open its window for a message it has partly received: a first chunk
-# of 64 KiB was let through that way, a second one is not.)
+# of 64 KiB was let through that way, and now and then the second one is too, leaving a 1 MiB chunk.)
 FIRST_CHUNKS_BYTES = (32 << 10, 64 << 10)
 
 

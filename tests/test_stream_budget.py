@@ -59,8 +59,9 @@ async def open_unread(channels: list[grpc.aio.Channel], widths: range) -> tuple[
 
 
 # What a never-reading receiver's cut stream leaves inside gRPC: the call's state and the message it
-# was sending, mostly the item's second chunk (the header and the first fit the 64 KiB window, that one
-# does not); now and then a client that read the header lets that one in and stalls on a 1 MiB chunk.
+# was sending, the item's second chunk (the header and the first fit the 64 KiB window, that one does
+# not), or the 1 MiB chunk after it where the client's window update let that one through. Which of
+# the two depends on when the update lands, so the test allows either for each call, not a share.
 CUT_RESIDUE = CALL_STATE_BYTES + len(next(wire.chunk_messages(memoryview(bytes(FIRST_CHUNKS_BYTES[1])))))
 LARGER_RESIDUE = CALL_STATE_BYTES + len(next(wire.chunk_messages(memoryview(bytes(wire.CHUNK_BYTES)))))
 
@@ -98,7 +99,7 @@ async def test_stalled_streams_are_cut_and_charged_for_what_they_leave_in_grpc_u
         assert budget.stalled == budget.cut_calls == admitted >= 6
         # Every cut call holds its state and the chunk it left inside gRPC: nothing else.
         larger, rest = divmod(budget.held - admitted * CUT_RESIDUE, LARGER_RESIDUE - CUT_RESIDUE)
-        assert rest == 0 and 0 <= larger <= admitted // 3, (budget.held, admitted)
+        assert rest == 0 and 0 <= larger <= admitted, (budget.held, admitted)
         assert budget.peak <= budget.limits.max_bytes
         # Unread streams left alone are cut after the stall timeout, with no call needing their room.
         more, began = await open_unread(channels, range(200, 202))
