@@ -44,22 +44,36 @@ def request_cap(num_items: int, num_encoders: int, balance: float) -> int:
     return max(1, math.ceil(balance * num_items / num_encoders))
 
 
+@dataclass(slots=True)
+class _Placed:
+    urls: set[str]  # the encoders it was sent to
+    times: int = 0  # how often it was placed
+
+
 class PlacementMemory:
-    """The encoders each key was sent to lately (an LRU of keys): an item that must spill goes to one
-    that already encoded it, so the balance bound costs no forward where it can be helped."""
+    """The encoders each key was sent to lately, and how often it was placed (an LRU of keys): an item
+    that must spill goes to one that already encoded it, so the balance bound costs no forward where it
+    can be helped."""
 
     def __init__(self, max_keys: int = DEFAULT_MEMORY_KEYS):
         self.max_keys = max_keys
-        self._sent: OrderedDict[bytes, set[str]] = OrderedDict()
+        self._placed: OrderedDict[bytes, _Placed] = OrderedDict()
 
     def holders(self, key: bytes) -> set[str]:
-        return self._sent.get(key, set())
+        entry = self._placed.get(key)
+        return entry.urls if entry else set()
+
+    def times_placed(self, key: bytes) -> int:
+        entry = self._placed.get(key)
+        return entry.times if entry else 0
 
     def sent(self, key: bytes, url: str) -> None:
-        self._sent.setdefault(key, set()).add(url)
-        self._sent.move_to_end(key)
-        if len(self._sent) > self.max_keys:
-            self._sent.popitem(last=False)
+        entry = self._placed.setdefault(key, _Placed(set()))
+        entry.urls.add(url)
+        entry.times += 1
+        self._placed.move_to_end(key)
+        if len(self._placed) > self.max_keys:
+            self._placed.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -86,7 +100,9 @@ def place(
     fleet's mean) is passed over while another in the item's ranking has room under both bounds.
     With a `memory`, items that already went to encoders with room are placed first, on the best
     ranked of those: when two items rank the same encoder first, the one that loses it goes where it
-    was encoded before rather than forcing a new forward. The memory learns this plan.
+    was encoded before rather than forcing a new forward. Where neither was, the one placed more often
+    loses it: a popular image keeps meeting others on its encoder, and once it has a second holder it
+    absorbs those meetings, while a rarer one keeps a single copy. The memory learns this plan.
     """
     if not urls:
         raise ValueError("no encoders to place items on")
@@ -108,7 +124,8 @@ def place(
 
     if memory is not None:
         known = [[e for e in order if urls[e] in memory.holders(key)] for key, order in zip(keys, orders)]
-        for item in sorted((i for i in range(len(keys)) if known[i]), key=lambda i: len(known[i])):
+        choice = {i: (len(known[i]), memory.times_placed(keys[i])) for i in range(len(keys)) if known[i]}
+        for item in sorted(choice, key=choice.__getitem__):
             take(item, known[item])  # fewest known encoders first: they have the least choice
     for item in range(len(keys)):
         if chosen[item] is None:

@@ -116,6 +116,23 @@ def test_an_item_that_must_spill_goes_where_it_was_encoded_before():
     assert dict(zip([second, first], again.encoders)) == dict(zip([first, second], plan.encoders))
 
 
+def test_of_two_items_known_only_on_the_same_encoder_the_more_often_placed_one_spills():
+    urls = ["grpc://a:1", "grpc://b:1", "grpc://c:1", "grpc://d:1"]
+    by_top: dict[int, list[bytes]] = {}
+    for key in keys_of(400, seed=4):
+        by_top.setdefault(ranking(key, urls)[0], []).append(key)
+    top, (rare, popular) = next((e, keys[:2]) for e, keys in by_top.items() if len(keys) >= 2)
+    memory = PlacementMemory()
+    for times, key in ((1, rare), (5, popular)):
+        for _ in range(times):
+            assert place([key], urls, memory=memory).encoders == [top]
+    for request in ([popular, rare], [rare, popular]):  # either order
+        plan = place(request, urls, memory=memory)
+        placed = dict(zip(request, plan.encoders))
+        assert placed[rare] == top and placed[popular] == ranking(popular, urls)[1]
+    assert memory.holders(rare) == {urls[top]} and len(memory.holders(popular)) == 2
+
+
 def test_balance_below_one_is_refused():
     with pytest.raises(ValueError, match="balance"):
         place(keys_of(2), ["grpc://a:1"], balance=0.9)
