@@ -66,13 +66,15 @@ CUT_RESIDUE = CALL_STATE_BYTES + len(next(wire.chunk_messages(memoryview(bytes(F
 LARGER_RESIDUE = CALL_STATE_BYTES + len(next(wire.chunk_messages(memoryview(bytes(wire.CHUNK_BYTES)))))
 
 
+def small_budget_server_at(model_dir, stall_timeout_s: float = 4.0):
+    # Room for three calls computing a 7 MiB item each (the output and its chunks: twice its size).
+    limits = StreamLimits(max_bytes=3 * (2 * ITEM_BYTES + CALL_BYTES) + MiB, stall_timeout_s=stall_timeout_s)
+    return running_server(model_dir, encoder=EncoderDouble(tokens=NUM_TOKENS), dtype=torch.bfloat16, streams=limits)
+
+
 @pytest.fixture
 async def small_budget_server(default_model_dir):
-    # Room for three calls computing a 7 MiB item each (the output and its chunks: twice its size).
-    limits = StreamLimits(max_bytes=3 * (2 * ITEM_BYTES + CALL_BYTES) + MiB, stall_timeout_s=4.0)
-    async with running_server(
-        default_model_dir, encoder=EncoderDouble(tokens=NUM_TOKENS), dtype=torch.bfloat16, streams=limits
-    ) as server:
+    async with small_budget_server_at(default_model_dir) as server:
         yield server
 
 
@@ -119,31 +121,33 @@ async def test_stalled_streams_are_cut_and_charged_for_what_they_leave_in_grpc_u
 
 
 async def test_a_connection_that_reads_is_served_from_the_quarter_never_readers_cannot_take(
-    small_budget_server, monkeypatch
+    default_model_dir, monkeypatch
 ):
-    server = small_budget_server
-    budget = server.streams
-    # No stream is cut for room in this test, however slow the machine: only the reserved quarter
-    # can let the reader in.
+    # No stream is cut in this test, for room or by the watchdog, however slow the machine: only the
+    # reserved quarter can let the reader in, and the unread calls hold the rest until they are cancelled.
     monkeypatch.setattr("encoder_server.streams.EVICT_AFTER_S", 3600.0)
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) for _ in range(4)]
-    try:
-        async with EncoderReceiver([server.url]) as rx:
-            await rx.encode("first", [{"data": image_bytes(9, 8)}])  # its connection has read a call
-            calls, began = await open_unread(channels, range(100, 104))
-            assert began == {"header": 2, "RESOURCE_EXHAUSTED": 2}  # three quarters: two 15 MiB calls
-            result = await rx.encode("reader", [{"data": image_bytes(10, 8)}])
-            assert torch.equal(result.items[0].embedding, server.encoder.output(10).embedding)
-            assert rx.metrics.snapshot()["retries"] == {} and budget.stalled == 0
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as fresh:  # has read nothing yet
-            _, began = await open_unread([fresh], range(11, 12))
-        assert began == {"RESOURCE_EXHAUSTED": 1}
-        for call in calls:
-            call.cancel()
-        assert await wait_until(lambda: budget.held == 0, timeout=30), budget.held
-    finally:
-        for channel in channels:
-            await channel.close()
+    async with small_budget_server_at(default_model_dir, stall_timeout_s=3600.0) as server:
+        budget = server.streams
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) for _ in range(4)]
+        try:
+            async with EncoderReceiver([server.url]) as rx:
+                await rx.encode("first", [{"data": image_bytes(9, 8)}])  # its connection has read a call
+                calls, began = await open_unread(channels, range(100, 104))
+                assert began == {"header": 2, "RESOURCE_EXHAUSTED": 2}  # three quarters: two 15 MiB calls
+                result = await rx.encode("reader", [{"data": image_bytes(10, 8)}])
+                assert torch.equal(result.items[0].embedding, server.encoder.output(10).embedding)
+                assert rx.metrics.snapshot()["retries"] == {}
+            # A connection of its own that has read nothing yet (gRPC would otherwise share the receiver's).
+            own_connection = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=own_connection) as fresh:
+                _, began = await open_unread([fresh], range(11, 12))
+            assert budget.stalled == 0 and began == {"RESOURCE_EXHAUSTED": 1}, (budget.stalled, began)
+            for call in calls:
+                call.cancel()
+            assert await wait_until(lambda: budget.held == 0, timeout=30), budget.held
+        finally:
+            for channel in channels:
+                await channel.close()
 
 
 async def test_over_long_free_text_fields_are_refused_naming_the_field(small_budget_server):
