@@ -1,8 +1,8 @@
 """Never-reading clients against one encoder server with default flags: how much the server's memory grows,
 whether a reading client is served throughout, and whether health stays SERVING.
 
-Each stalled client opens its own channel (a gRPC client whose HTTP/2 window stays at 64 KiB, so gRPC
-cannot take a payload off the server into the client either), asks for a distinct ~7 MiB item (the
+Each stalled client opens its own channel on its own TCP connection (a gRPC client whose HTTP/2 window
+stays at 64 KiB, so gRPC cannot take a payload off the server into the client either), asks for a distinct ~7 MiB item (the
 built-in model: Qwen2.5-VL's 2048-wide embedding, 1792 tokens for a 1568x896 image), reads the
 header and nothing more. They arrive in waves while a reader encodes an image of its own every
 `--reader-interval-s` and a health probe runs twice a second. Loopback only; bounded in clients and time.
@@ -41,12 +41,12 @@ from PIL import Image  # noqa: E402
 
 from protos import encoder_pb2 as pb  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
+from testkit.bare_grpc import NEVER_READS  # noqa: E402
 from testkit.launcher import LaunchedProcess, launch_server, start_process  # noqa: E402
 
 # 56 x 32 merged patches of 28 pixels: 1792 tokens, x 2048 bf16 = 7 MiB.
 IMAGE_SIZE = (1568, 896)
 ITEM_BYTES = 1792 * 2048 * 2
-NEVER_READS = [("grpc.http2.bdp_probe", 0)]
 
 
 def distinct_image(seed: int) -> bytes:

@@ -1,5 +1,7 @@
-"""The bare grpcio client the data-plane baselines read with (scripts/bench.py, scripts/profile_dataplane.py):
-each chunk copied, as it arrives, into a pooled buffer, as `EncoderReceiver` does with its own."""
+"""Bare grpcio clients: the one the data-plane baselines read with (scripts/bench.py,
+scripts/profile_dataplane.py), each chunk copied as it arrives into a pooled buffer as `EncoderReceiver`
+does with its own; and the channel options of clients that never read (tests/test_stream_budget.py,
+scripts/stalled_clients.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,13 @@ import torch
 
 from protos import wire
 from receiver.buffers import POOL
+
+# A channel on a TCP connection of its own, as a separate client has: gRPC otherwise shares one
+# connection among the channels to the same address with the same options.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+# A client that never reads: without BDP probing its HTTP/2 window stays at 64 KiB, so gRPC cannot take
+# a 7 MiB payload off the server into the client's own buffers either.
+NEVER_READS = [*OWN_CONNECTION, ("grpc.http2.bdp_probe", 0)]
 
 
 async def receive_payload(responses: AsyncIterator[bytes], nbytes: int) -> None:

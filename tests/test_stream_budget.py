@@ -20,6 +20,7 @@ from protos import encoder_pb2 as pb
 from protos import wire
 from receiver import EncoderReceiver
 from testkit import REPO_ROOT
+from testkit.bare_grpc import NEVER_READS, OWN_CONNECTION
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.servers import running_server, wait_until
@@ -27,9 +28,6 @@ from testkit.servers import running_server, wait_until
 NUM_TOKENS = 1792  # x 2048 bf16: a 7 MiB item
 ITEM_BYTES = NUM_TOKENS * 2048 * 2
 MiB = 1 << 20
-# A client that never reads: without BDP probing its HTTP/2 window stays at 64 KiB, so gRPC cannot
-# take a 7 MiB payload off the server into the client's own buffers either.
-NEVER_READS = [("grpc.http2.bdp_probe", 0)]
 
 
 def encode_request(request_id: str, width: int = 8) -> pb.EncodeRequest:
@@ -69,7 +67,8 @@ LARGER_RESIDUE = CALL_STATE_BYTES + len(next(wire.chunk_messages(memoryview(byte
 def small_budget_server_at(model_dir, stall_timeout_s: float = 4.0):
     # Room for three calls computing a 7 MiB item each (the output and its chunks: twice its size).
     limits = StreamLimits(max_bytes=3 * (2 * ITEM_BYTES + CALL_BYTES) + MiB, stall_timeout_s=stall_timeout_s)
-    return running_server(model_dir, encoder=EncoderDouble(tokens=NUM_TOKENS), dtype=torch.bfloat16, streams=limits)
+    double = EncoderDouble(tokens=NUM_TOKENS)
+    return running_server(model_dir, encoder=double, dtype=torch.bfloat16, streams=limits)
 
 
 @pytest.fixture
@@ -128,7 +127,8 @@ async def test_a_connection_that_reads_is_served_from_the_quarter_never_readers_
     monkeypatch.setattr("encoder_server.streams.EVICT_AFTER_S", 3600.0)
     async with small_budget_server_at(default_model_dir, stall_timeout_s=3600.0) as server:
         budget = server.streams
-        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) for _ in range(4)]
+        target = f"127.0.0.1:{server.port}"
+        channels = [grpc.aio.insecure_channel(target, options=NEVER_READS) for _ in range(4)]
         try:
             async with EncoderReceiver([server.url]) as rx:
                 await rx.encode("first", [{"data": image_bytes(9, 8)}])  # its connection has read a call
@@ -138,8 +138,7 @@ async def test_a_connection_that_reads_is_served_from_the_quarter_never_readers_
                 assert torch.equal(result.items[0].embedding, server.encoder.output(10).embedding)
                 assert rx.metrics.snapshot()["retries"] == {}
             # A connection of its own that has read nothing yet (gRPC would otherwise share the receiver's).
-            own_connection = [("grpc.use_local_subchannel_pool", 1)]
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=own_connection) as fresh:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=OWN_CONNECTION) as fresh:
                 _, began = await open_unread([fresh], range(11, 12))
             assert budget.stalled == 0 and began == {"RESOURCE_EXHAUSTED": 1}, (budget.stalled, began)
             for call in calls:
