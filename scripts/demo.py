@@ -13,6 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as transformers_logging
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -54,6 +55,7 @@ def main() -> int:
     parser.add_argument("--model", default=str(REPO_ROOT / DEFAULT_MODEL_DIR), help="checkpoint (default: built-in)")
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
+    transformers_logging.disable_progress_bar()  # writing and loading the checkpoint: the table is the output
 
     model_dir = ensure_default_model(args.model) if args.model == str(REPO_ROOT / DEFAULT_MODEL_DIR) else Path(args.model)
     print(f"model: {model_dir} (built-in default: random weights, embeddings are not meaningful)")

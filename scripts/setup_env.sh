@@ -14,10 +14,19 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+# pip's own output (this machine's index notices, the build backend's warnings) goes to a log that is
+# shown only when an install fails, so that the demo's and the suite's output start with their own.
+pip_quietly() {
+  if ! .venv/bin/python -m pip install -q "$@" >> .venv/install.log 2>&1; then
+    cat .venv/install.log >&2
+    exit 1
+  fi
+}
+: > .venv/install.log
+pip_quietly --upgrade pip
 if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   # The `!=` keeps the local CPU-only wheel of the same version out.
   # shellcheck disable=SC2086
-  .venv/bin/python -m pip install -q ${TORCH_SPEC:-"torch==2.13.0,!=2.13.0+cpu" torchvision==0.28.0} ${PIP_TORCH_ARGS:-}
+  pip_quietly ${TORCH_SPEC:-"torch==2.13.0,!=2.13.0+cpu" torchvision==0.28.0} ${PIP_TORCH_ARGS:-}
 fi
-.venv/bin/python -m pip install -q -e ".[server,gateway,test]"
+pip_quietly -e ".[server,gateway,test]"
