@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,26 +18,7 @@ class EnvDefaultsParser(argparse.ArgumentParser):
 
     def __init__(self, *args, env_prefix: str, **kwargs):
         self.env_prefix = env_prefix
-        self._deprecated: list[tuple[str, Callable[[argparse.Namespace, Any], None], str]] = []
         super().__init__(*args, **kwargs)
-
-    def add_deprecated(
-        self, name: str, apply: Callable[[argparse.Namespace, Any], None], instead: str, **kwargs
-    ) -> None:
-        """An old option still accepted (from its environment variable too): when given, a warning naming
-        `instead` goes to stderr and `apply(namespace, value)` sets the new options from its value."""
-        self._deprecated.append((name, apply, instead))
-        self.add_argument(name, dest=_deprecated_dest(name), help=f"deprecated: use {instead}", **kwargs)
-
-    def parse_known_args(self, args=None, namespace=None):
-        namespace, rest = super().parse_known_args(args, namespace)
-        for name, apply, instead in self._deprecated:
-            value = getattr(namespace, _deprecated_dest(name), None)
-            delattr(namespace, _deprecated_dest(name))
-            if value not in (None, False):
-                print(f"{self.prog}: {name} is deprecated; use {instead}", file=sys.stderr)
-                apply(namespace, value)
-        return namespace, rest
 
     def add_argument(self, *names, **kwargs):
         long_name = next((n for n in names if n.startswith("--")), None)
@@ -211,7 +191,3 @@ def _add_option(parser: argparse.ArgumentParser, option: _Option, optional: bool
 def comma_separated(text: str) -> tuple[str, ...]:
     """A flag's comma-separated list as a tuple, blanks around and between the commas dropped."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _deprecated_dest(name: str) -> str:
-    return "deprecated_" + name[2:].replace("-", "_")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from encoder_common.data_uri import decode_data_uri
-from encoder_common.env_flags import EnvDefaultsParser, comma_separated, flag
+from encoder_common.env_flags import comma_separated, flag
 from encoder_common.errors import InvalidItemError
 from encoder_common.file_url import read_file_url
 
@@ -88,35 +88,6 @@ class SourcePolicy:
     )
     # The host-name resolver of http(s) fetches (None: the system's); tests inject one.
     resolve: Resolve | None = field(default=None, compare=False, repr=False)
-
-
-def add_deprecated_source_flags(parser: EnvDefaultsParser) -> None:
-    """The source flags of older releases (encoder-server's and encoder-gateway's had different names),
-    still accepted with a warning."""
-
-    def file_root(args: argparse.Namespace, value: str) -> None:
-        args.file_roots = (*args.file_roots, *root_paths(value))
-
-    def allow_http(args: argparse.Namespace, value: bool) -> None:
-        if args.http_urls == "off":
-            args.http_urls = "public"
-
-    def allow_internal(args: argparse.Namespace, value: bool) -> None:
-        if args.http_urls == "public":  # as before: internal addresses, where http(s) is fetched at all
-            args.http_urls = "any"
-
-    def fetch_timeout(args: argparse.Namespace, value: float) -> None:
-        args.fetch_timeout_s = value
-
-    # In this order: --allow-http turns fetching on before the internal-address flags widen it.
-    switch = dict(action="store_true", default=False)
-    parser.add_deprecated("--allow-file-root", file_root, "--file-roots", default=None, metavar="DIR")
-    parser.add_deprecated("--allow-http", allow_http, "--http-urls public", **switch)
-    for name in ("--allow-private-hosts", "--allow-internal-urls"):
-        parser.add_deprecated(name, allow_internal, "--http-urls any", **switch)
-    parser.add_deprecated(
-        "--fetch-timeout", fetch_timeout, "--fetch-timeout-s", type=float, default=None, metavar="SECONDS"
-    )
 
 
 class SourceReader:

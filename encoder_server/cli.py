@@ -10,7 +10,6 @@ import sys
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
 from encoder_common.extras import require_extra
 from encoder_common.malloc import tune_server_malloc
-from encoder_common.sources import add_deprecated_source_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +18,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = EnvDefaultsParser(prog="encoder-server", env_prefix="ENCODER_", description="Serve a VLM's vision tower over gRPC.")
     add_config_flags(p, ServerConfig)
-    add_deprecated_source_flags(p)
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 

@@ -132,4 +132,3 @@ _LOADERS: dict[str, Callable[[Image.Image, tuple[int, int, int]], Image.Image]] 
     "sglang": _load_like_sglang,
     "transformers": _load_like_transformers,
 }
-LOADERS = tuple(_LOADERS)

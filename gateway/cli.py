@@ -14,7 +14,6 @@ from encoder_common.collector import freeze_startup_objects
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
 from encoder_common.extras import require_extra
 from encoder_common.malloc import tune_malloc
-from encoder_common.sources import add_deprecated_source_flags
 
 from .config import GatewayConfig
 
@@ -31,7 +30,6 @@ def build_parser() -> EnvDefaultsParser:
         "and handed to the engine as embeddings (start vLLM with --enable-mm-embeds).",
     )
     add_config_flags(p, GatewayConfig)
-    add_deprecated_source_flags(p)
     p.add_argument(
         "--tls-ca-file", default=None, help="PEM CAs to trust for grpcs:// encoders (default: the system's)"
     )

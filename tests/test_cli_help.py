@@ -117,8 +117,7 @@ def flag_text(value: object) -> str:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_flag_reads_its_environment_variable(command, monkeypatch):
     _, build, prefix, required_args = COMMANDS[command]
-    # The deprecated ones set other options: tests/test_fetch_internal.py.
-    actions = [a for a in options(build()) if not a.dest.startswith("deprecated_")]
+    actions = options(build())
     for action in actions:
         monkeypatch.delenv(env_name(prefix, action), raising=False)
     monkeypatch.setenv("ENCODER_MODEL", "/models/base")  # the required flags, from the environment

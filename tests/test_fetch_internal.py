@@ -8,8 +8,6 @@ import asyncio
 import contextlib
 import ipaddress
 import ssl
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -19,8 +17,6 @@ from aiohttp import web
 from encoder_common.errors import InvalidItemError
 from encoder_common.http_fetch import FetchLimits, fetch_http, internal_kind, system_resolve
 from encoder_common.sources import SourcePolicy, SourceReader
-from gateway.cli import build_parser as gateway_parser, config_from_args as gateway_config
-from testkit import REPO_ROOT
 from testkit.images import image_bytes
 from testkit.servers import running_server
 from tests.test_gateway import gateway, post
@@ -276,28 +272,6 @@ async def test_a_name_that_rebinds_after_the_check_is_not_followed(listener):
 def test_internal_address_kinds(address, kind):
     found = internal_kind(ipaddress.ip_address(address))
     assert found == kind if kind is None else found.startswith(kind), found
-
-
-def test_old_flag_names_still_work_with_a_warning(monkeypatch):
-    """The gateway's and the server's old source flags (and their environment variables) map onto the
-    new ones."""
-    required = ["--engine-url", "http://e:8000", "--encoders", "grpc://a:1"]
-    monkeypatch.setenv("ENCODER_GATEWAY_ALLOW_INTERNAL_URLS", "true")
-    config = gateway_config(gateway_parser().parse_args([*required, "--fetch-timeout", "3"]))
-    assert config.sources.http_urls == "any" and config.sources.fetch_timeout_s == 3.0
-    old_flags = ["--model", "m", "--allow-file-root", "/srv", "--allow-private-hosts", "--allow-http"]
-    code = (
-        "from encoder_server import cli; from encoder_common.env_flags import config_from_args\n"
-        "from encoder_server.config import ServerConfig\n"
-        f"print(config_from_args(ServerConfig, cli.build_parser().parse_args({old_flags!r})).sources)"
-    )
-    command = [sys.executable, "-c", code]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "file_roots=(PosixPath('/srv'),), http_urls='any'" in done.stdout
-    for old, new in (("--allow-file-root", "--file-roots"), ("--allow-http", "--http-urls public"),
-                     ("--allow-private-hosts", "--http-urls any")):  # fmt: skip
-        assert f"encoder-server: {old} is deprecated; use {new}" in done.stderr
 
 
 def test_the_receiver_reads_files_with_the_same_size_cap(tmp_path):

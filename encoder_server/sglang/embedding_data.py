@@ -81,10 +81,6 @@ MODALITY_IMAGE = 1  # Modality.IMAGE = auto(), in every release of LAYOUTS
 
 _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
-# HTTP status codes in error_code, as SGLang's encoder sets them (its gRPC servicer maps 400 to
-# INVALID_ARGUMENT and anything else to INTERNAL).
-HTTP_BAD_REQUEST = 400
-
 
 @dataclass(frozen=True, kw_only=True)
 class PartMeta:
