@@ -109,11 +109,13 @@ class ErrorStatus:
 
 
 # The one table: exact class -> its statuses; subclasses inherit their parent's entry (first match along
-# the MRO). An overloaded server is HTTP 503, not 429: RESOURCE_EXHAUSTED here means this server's
+# the MRO). Read backwards, a status stands for the first class listed with it: the base first, so that
+# INTERNAL comes back as a plain EncoderError. An overloaded server is HTTP 503, not 429: RESOURCE_EXHAUSTED here means this server's
 # queue or stream budget is spent, a temporary state of the server (RFC 9110 15.6.4, with Retry-After)
 # that a load balancer retries on another backend, while 429 (RFC 6585) tells a client that it sent
 # too many requests, blaming a caller who did nothing wrong.
 ERROR_TABLE: dict[type[EncoderError], ErrorStatus] = {
+    EncoderError: ErrorStatus(grpc.StatusCode.INTERNAL, 500),
     InvalidItemError: ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400),
     OverloadedError: ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 503),
     UnavailableError: ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503),
@@ -123,19 +125,10 @@ ERROR_TABLE: dict[type[EncoderError], ErrorStatus] = {
     DeadlineExceededError: ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     SharedMemoryUnavailableError: ErrorStatus(grpc.StatusCode.FAILED_PRECONDITION, 400),
     TokenCountMismatchError: ErrorStatus(grpc.StatusCode.INTERNAL, 500),
-    EncoderError: ErrorStatus(grpc.StatusCode.INTERNAL, 500),
 }
-_UNEXPECTED = ErrorStatus(grpc.StatusCode.INTERNAL, 500)
+_UNEXPECTED = ERROR_TABLE[EncoderError]
 
-_ERROR_BY_STATUS: dict[grpc.StatusCode, type[EncoderError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidItemError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
-    grpc.StatusCode.NOT_FOUND: NotFoundError,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-}
+_ERROR_BY_STATUS = {status.grpc: cls for cls, status in reversed(ERROR_TABLE.items())}
 
 
 def error_status(cls: type[BaseException]) -> ErrorStatus:

@@ -1,22 +1,20 @@
 """The EncoderService servicer: parses a request (checks.py), makes one call into the item pipeline or
-the lease store, and hands the payloads to an ItemSender (sender.py), which streams them out."""
+the lease store, and hands the payloads to an ItemSender (sender.py), which streams them out; errors
+become statuses at the error edge (error_edge.py)."""
 
 from __future__ import annotations
-
-import functools
-import logging
-from collections.abc import Awaitable, Callable
 
 import grpc
 
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from encoder_common.errors import EncoderError, InvalidItemError, NotFoundError, status_for
+from encoder_common.errors import InvalidItemError, NotFoundError
 
 from . import __version__
 from .checks import check_encode_request, parse_encode_request, parse_fetch_request
 from .config import ServerConfig
+from .error_edge import error_edge
 from .leases import LeaseStore
 from .metrics import ServerMetrics
 from .models import ModelSpec
@@ -24,8 +22,6 @@ from .pipeline import ItemPipeline
 from .sender import ItemSender, leased_payloads
 from .shm import ShmCall, ShmSegments
 from .streams import StreamBudget
-
-log = logging.getLogger(__name__)
 
 
 def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> pb.ModelInfo:
@@ -49,24 +45,6 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
         lease_max_ttl_ms=int(config.leases.max_ttl_s * 1000),
         preprocess_profile=config.preprocess_profile,
     )
-
-
-def _maps_errors(method: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
-    """Parses the raw request (with the servicer's `parse_<method name>`), then turns domain errors into
-    their status code, and anything else into a bare INTERNAL."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
-        try:
-            request = getattr(self, f"parse_{method.__name__}")(request)
-            await method(self, request, context)
-        except EncoderError as exc:
-            await context.abort(status_for(exc), str(exc))
-        except Exception:
-            log.exception("request %r failed", getattr(request, "request_id", "?"))
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error while encoding; see the server log")
-
-    return wrapper
 
 
 class EncoderServicer(pb_grpc.EncoderServiceServicer):
@@ -97,7 +75,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.info
 
-    @_maps_errors
+    @error_edge
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> None:
         """Streams each item's header, then its payload (chunks, or shared memory), in the items' order."""
         with self.metrics.record(request.request_id, len(request.items), context) as record:
@@ -110,7 +88,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
                 sender = ItemSender(context, charge, record, shm, leases=self.leases, lease=lease)
                 await sender.send_all(self.pipeline.payloads(request.items, charge))
 
-    @_maps_errors
+    @error_edge
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> None:
         """Streams leased items in Encode's format; every key is looked up before the first message."""
         if self.leases is None:

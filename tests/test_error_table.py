@@ -33,7 +33,7 @@ def test_every_domain_error_has_its_statuses_and_comes_back_as_its_family(cls):
     status = errors.error_status(cls)
     assert status.grpc != grpc.StatusCode.OK and 400 <= status.http < 600
     # What a receiver makes of the status the server sent: the error's own family, or the base class
-    # for statuses that mean "the server failed" (INTERNAL and FAILED_PRECONDITION).
+    # for INTERNAL ("the server failed").
     back = error_class_for(status.grpc)
     assert issubclass(cls, back) or back is EncoderError
     assert http_status_for_code(status.grpc) == errors.error_status(back).http
