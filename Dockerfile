@@ -26,6 +26,7 @@ COPY pyproject.toml ./
 COPY protos ./protos
 COPY encoder_common ./encoder_common
 COPY encoder_server ./encoder_server
+COPY precompute ./precompute
 COPY receiver ./receiver
 # The server extra: the model stack. The base image's CUDA torch and torchvision (the processors'
 # torchvision backend, which runs preprocessing on the GPU) satisfy those requirements, so pip keeps them.

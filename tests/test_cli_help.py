@@ -22,7 +22,7 @@ from encoder_server.shm import ShmConfig
 from encoder_common.sources import SourcePolicy, networks, root_paths
 from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli
-from encoder_server import precompute
+from precompute import command as precompute
 from gateway import cli as gateway_cli
 from gateway.config import GatewayConfig
 from testkit import REPO_ROOT
@@ -31,7 +31,7 @@ from testkit import REPO_ROOT
 COMMANDS = {
     "encoder-server": ("encoder_server", cli.build_parser, "ENCODER_", []),  # --model: from ENCODER_MODEL below
     "encoder-client": ("receiver.cli", client_cli.build_parser, "ENCODER_CLIENT_", ["cat.png"]),
-    "encoder-precompute": ("encoder_server.precompute", precompute.build_parser, "ENCODER_PRECOMPUTE_", ["images/"]),
+    "encoder-precompute": ("precompute", precompute.build_parser, "ENCODER_PRECOMPUTE_", ["images/"]),
     # --engine-url, --encoders: from ENCODER_GATEWAY_* below
     "encoder-gateway": ("gateway", gateway_cli.build_parser, "ENCODER_GATEWAY_", []),
 }
@@ -220,7 +220,7 @@ def test_console_scripts_point_at_the_commands():
     assert scripts == {
         "encoder-server": "encoder_server.cli:main",
         "encoder-client": "receiver.cli:main",
-        "encoder-precompute": "encoder_server.precompute_cli:main",
+        "encoder-precompute": "precompute.cli:main",
         "encoder-gateway": "gateway.cli:main",
     }
     for command, (module, build, _, _) in COMMANDS.items():

@@ -116,7 +116,8 @@ async def test_items_over_two_encoders_equal_get_image_features_fp32(case, check
 
 async def test_precompute_files_of_a_llava_full_checkpoint_are_accepted_back(checkpoints, tmp_path):
     """LLaVA's "full" strategy gives 17 tokens for a (1, 4, 4) grid: the files carry that grid."""
-    from encoder_server.precompute import InProcessBackend, PrecomputeSettings, precompute
+    from precompute.backends import InProcessBackend
+    from precompute.run import PrecomputeSettings, precompute
     from receiver.precomputed_files import precomputed_item
 
     model_dir = checkpoints["llava-two-layers-full"]

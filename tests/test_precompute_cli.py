@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from receiver import EncoderReceiver, InvalidItemError
-from encoder_server.precompute import main
+from precompute.command import main
 from receiver.precomputed_files import load_precomputed, precomputed_item
 from testkit.rpc_log import logged_server
 from testkit import REPO_ROOT
@@ -47,11 +47,11 @@ async def server(default_model_dir):
 
 
 async def run_command(*args: str) -> tuple[int, str, str]:
-    """`python -m encoder_server.precompute` in a child process, as a user runs it."""
+    """`python -m precompute` in a child process, as a user runs it."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "encoder_server.precompute",
+        "precompute",
         *args,
         cwd=REPO_ROOT,
         stdout=asyncio.subprocess.PIPE,

@@ -8,7 +8,7 @@ import asyncio
 import json
 import sys
 
-from encoder_server.precompute import main as precompute_main
+from precompute.command import main as precompute_main
 from testkit import REPO_ROOT
 from testkit.images import image_bytes
 from testkit.servers import running_server

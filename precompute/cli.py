@@ -1,5 +1,5 @@
-"""`encoder-precompute`'s entry point: checks the server extra is installed before importing the command
-(encoder_server.precompute), which needs it from its first line."""
+"""`encoder-precompute`'s entry point: checks that the server extra is installed before importing the
+command (precompute.command), which needs it from its first line."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from encoder_common.extras import require_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .precompute import build_parser as build
+    from .command import build_parser as build
 
     return build()
 
 
 def main(argv: list[str] | None = None) -> int:
     require_extra("server", "encoder-precompute")
-    from .precompute import main as run
+    from .command import main as run
 
     return run(argv)
