@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from .interceptors import HEALTH_PREFIX, Continuation, refusal_handler
+from .drain import HEALTH_PREFIX, Continuation, refusal_handler
 
 AUTH_HEADER = "authorization"
 SCHEME = "bearer "

@@ -21,7 +21,7 @@ from .auth import BearerTokenInterceptor, read_token_file
 from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace
 from .config import ServerConfig
-from .interceptors import DrainGate
+from .drain import DrainGate
 from .leases import LeaseStore
 from .metrics import MeteredEncoder, ServerMetrics
 from .models import VisionEncoder, load_vision_encoder

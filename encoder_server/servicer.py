@@ -1,4 +1,4 @@
-"""The EncoderService servicer: parses a request (checks.py), makes one call into the item pipeline or
+"""The EncoderService servicer: parses a request (request_parsing.py), makes one call into the item pipeline or
 the lease store, and hands the payloads to an ItemSender (sender.py), which streams them out; errors
 become statuses at the error edge (error_edge.py)."""
 
@@ -12,7 +12,7 @@ from protos import wire
 from encoder_common.errors import InvalidItemError, NotFoundError
 
 from . import __version__
-from .checks import check_encode_request, parse_encode_request, parse_fetch_request
+from .request_parsing import check_encode_request, parse_encode_request, parse_fetch_request
 from .config import ServerConfig
 from .error_edge import error_edge
 from .leases import LeaseStore

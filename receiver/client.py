@@ -26,7 +26,8 @@ from .item_cache import ItemCache
 from .items import check_items
 from .metrics import ReceiverMetrics
 from .result import EncodeResult, ItemResult
-from .request_items import ServedModel, sort_items
+from .items import sort_items
+from .served_model import ServedModel
 from .shm import ShmReceiver, TransferStats
 
 DEFAULT_TIMEOUT_S = 60.0

@@ -1,7 +1,9 @@
-"""Normalizes a request's items: the image-only rule, and reading each image's bytes on this side."""
+"""Normalizes a request's items: the image-only rule, reading each image's bytes on this side, and a
+request's items sorted into precomputed results and raw bytes before any Encode call."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -9,6 +11,9 @@ from typing import Any
 
 from encoder_common.errors import InvalidItemError, UnsupportedModalityError
 from encoder_common.sources import SourcePolicy, SourceReader
+
+from .result import ItemResult
+from .served_model import ServedModel
 
 # The keys an item may carry; anything else is a typo or a feature this receiver lacks, and
 # guessing would send the wrong bytes. An item carrying its embedding may omit data and url.
@@ -66,3 +71,17 @@ def read_image_bytes(item: Mapping[str, Any], index: int, file_roots: Sequence[P
     except InvalidItemError as exc:
         raise InvalidItemError(f"item {index}: {exc}") from None
 
+
+async def sort_items(
+    served: ServedModel, items: Sequence[Mapping[str, Any]], file_roots: Sequence[Path] | None
+) -> tuple[dict[int, ItemResult], dict[int, bytes]]:
+    """The precomputed items' results, and the other items' image bytes, by index."""
+    results = await served.precomputed_results(items)
+    raw = [index for index in range(len(items)) if index not in results]
+
+    def read() -> dict[int, bytes]:
+        return {index: read_image_bytes(items[index], index, file_roots) for index in raw}
+
+    if all(items[index].get("data") is not None for index in raw):  # nothing to read: no thread hop
+        return results, read()
+    return results, await asyncio.to_thread(read)

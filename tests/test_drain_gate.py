@@ -9,7 +9,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from encoder_server.interceptors import SHUTTING_DOWN
+from encoder_server.drain import SHUTTING_DOWN
 from encoder_server.server import SERVICE_NAME
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc

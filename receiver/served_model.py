@@ -1,11 +1,10 @@
-"""A request's items sorted before any Encode call: precomputed items checked against what the encoders
-serve (their ModelInfo, fetched once per receiver) and turned into results, the others read into bytes."""
+"""The model the encoders serve, as their ModelInfo says (fetched once per receiver): what a request's
+precomputed items are checked against before they are turned into results."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -14,7 +13,6 @@ from encoder_common.errors import error_class_for
 from protos import encoder_pb2 as pb
 
 from .discovery import EndpointPool
-from .items import read_image_bytes
 from .precomputed import agreed_model, is_precomputed, precomputed_results
 from .result import ItemResult
 
@@ -62,18 +60,3 @@ class ServedModel:
             return {}
         info = await self.agreed() if len(indices) < len(items) else self.info
         return await asyncio.to_thread(precomputed_results, items, indices, info, self.hidden_size)
-
-
-async def sort_items(
-    served: ServedModel, items: Sequence[Mapping[str, Any]], file_roots: Sequence[Path] | None
-) -> tuple[dict[int, ItemResult], dict[int, bytes]]:
-    """The precomputed items' results, and the other items' image bytes, by index."""
-    results = await served.precomputed_results(items)
-    raw = [index for index in range(len(items)) if index not in results]
-
-    def read() -> dict[int, bytes]:
-        return {index: read_image_bytes(items[index], index, file_roots) for index in raw}
-
-    if all(items[index].get("data") is not None for index in raw):  # nothing to read: no thread hop
-        return results, read()
-    return results, await asyncio.to_thread(read)
