@@ -23,10 +23,9 @@ from .failover import EncodeJob, Fleet, encode_items
 from .fetch import fetch_leased
 from .health import FailoverPolicy
 from .item_cache import ItemCache
-from .items import check_items
+from .items import check_items, sort_items
 from .metrics import ReceiverMetrics
 from .result import EncodeResult, ItemResult
-from .items import sort_items
 from .served_model import ServedModel
 from .shm import ShmReceiver, TransferStats
 
