@@ -181,15 +181,7 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
     app[CONFIG] = config
 
     async def lifecycle(app: web.Application):
-        receiver = EncoderReceiver(
-            list(config.encoders),
-            timeout=config.encode_timeout_s,
-            tls=config.tls,
-            auth_token=config.auth_token,
-            transfer=config.transfer,
-            placement=config.placement,
-            cache_bytes=config.receiver_cache_bytes,
-        )
+        receiver = EncoderReceiver(list(config.encoders), config.receiver)
         session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=config.engine_timeout_s), auto_decompress=False
         )
@@ -204,7 +196,7 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
                 sources=SourceReader(config.sources, user_agent="encoder-gateway"),
                 metrics=GatewayMetrics(receiver.metrics),
                 pass_non_image=config.pass_non_image,
-                encode_timeout_s=config.encode_timeout_s,
+                encode_timeout_s=config.receiver.timeout,
                 retry_after_s=config.retry_after_s,
             )
             yield

@@ -7,13 +7,14 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 
 from encoder_common import env_flags
 from encoder_common.collector import freeze_startup_objects
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
 from encoder_common.extras import require_extra
 from encoder_common.malloc import tune_malloc
+
+from receiver.config import ReceiverConfig, add_credential_flags, credentials_from_args
 
 from .config import GatewayConfig
 
@@ -30,36 +31,15 @@ def build_parser() -> EnvDefaultsParser:
         "and handed to the engine as embeddings (start vLLM with --enable-mm-embeds).",
     )
     add_config_flags(p, GatewayConfig)
-    p.add_argument(
-        "--tls-ca-file", default=None, help="PEM CAs to trust for grpcs:// encoders (default: the system's)"
-    )
-    p.add_argument("--tls-cert-file", default=None, help="PEM client certificate for mTLS to the encoders")
-    p.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
-    p.add_argument(
-        "--auth-token-file",
-        default=None,
-        help="file whose first line is the bearer token sent to the encoders",
-    )
+    add_credential_flags(p)
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
 
 def config_from_args(args) -> GatewayConfig:
     """The GatewayConfig the parsed flags describe, with the TLS and token files read."""
-    from receiver import ClientTls
-
-    tls = None
-    if args.tls_ca_file or args.tls_cert_file or args.tls_key_file:
-        tls = ClientTls.from_files(
-            ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file
-        )
-    auth_token = None
-    if args.auth_token_file:
-        lines = Path(args.auth_token_file).read_text().splitlines()
-        auth_token = lines[0].strip() if lines else ""
-        if not auth_token:
-            raise ValueError(f"{args.auth_token_file} holds no token")
-    return env_flags.config_from_args(GatewayConfig, args, tls=tls, auth_token=auth_token)
+    receiver = env_flags.config_from_args(ReceiverConfig, args, **credentials_from_args(args))
+    return env_flags.config_from_args(GatewayConfig, args, receiver=receiver)
 
 
 async def serve(config) -> None:

@@ -1,19 +1,14 @@
 """Everything an `encoder-gateway` is started with: the CLI builds its flags from these fields (defaults
-and help), and `app.build_app` takes it whole."""
+and help), and `app.build_app` takes it whole. The receiver's settings are a ReceiverConfig of their own."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from encoder_common.env_flags import comma_separated, flag, section
 from encoder_common.sources import SourcePolicy
-
-PLACEMENT_HELP = "how items are placed on encoders (affinity: by content, so a repeated image meets its cache)"
-
-if TYPE_CHECKING:  # the receiver pulls torch: not imported to build the parser (--help stays fast)
-    from receiver import ClientTls
+from receiver.config import ReceiverConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,9 +22,7 @@ class GatewayConfig:
     )
     host: str = field(default="0.0.0.0", metadata=flag("address to listen on"))
     port: int = field(default=9000, metadata=flag("port to listen on (0: any free port)"))
-    encode_timeout_s: float = field(  # retries included
-        default=60.0, metadata=flag("deadline of one request's encode, seconds", name="--encode-timeout")
-    )
+    receiver: ReceiverConfig = field(default_factory=ReceiverConfig, metadata=section())
     engine_timeout_s: float | None = field(  # the whole engine call; None: as long as the engine takes
         default=None,
         metadata=flag("deadline of one engine call, seconds (default: none)", name="--engine-timeout", type=float),
@@ -46,11 +39,6 @@ class GatewayConfig:
     retry_after_s: int = field(
         default=1, metadata=flag("Retry-After seconds of a 503 for overloaded encoders", name="--retry-after")
     )
-    tls: ClientTls | None = None  # for grpcs:// encoders; the CLI reads it from --tls-*-file
-    auth_token: str | None = None  # bearer token sent to the encoders; the CLI reads it from --auth-token-file
-    transfer: str = field(  # "shm" applies to encoders on this host
-        default="auto", metadata=flag("how embeddings come back from encoders", choices=("auto", "shm", "grpc"))
-    )
     handoff: str = field(
         default="inline",
         metadata=flag(
@@ -58,14 +46,6 @@ class GatewayConfig:
             "receiver.vllm_connector as ec_consumer and fetches them from the encoders)",
             choices=("inline", "connector"),
         ),
-    )
-    placement: str = field(
-        default="random",
-        metadata=flag(PLACEMENT_HELP, choices=("random", "affinity")),
-    )
-    receiver_cache_bytes: int = field(
-        default=0,
-        metadata=flag("embeddings kept here to serve repeated images without an encoder call, bytes (0: none)"),
     )
     lease_ttl_s: float = field(
         default=60.0,

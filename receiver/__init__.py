@@ -1,54 +1,57 @@
 """The receiver: the client library a prefill node imports to encode images on encoder servers.
 
-Importing it loads no model code (no transformers), only grpc, protobuf and torch.
+Importing it loads no model code (no transformers), only grpc, protobuf and torch; each public name is
+imported on first use, so that `receiver.config` (the settings the commands build their flags from)
+loads without torch.
 """
 
-from encoder_common.errors import (
-    DeadlineExceededError,
-    EncoderError,
-    InvalidItemError,
-    ItemsOffsetError,
-    OverloadedError,
-    SharedMemoryUnavailableError,
-    UnavailableError,
-    UnsupportedModalityError,
-)
+from __future__ import annotations
 
-from .channels import ClientTls
-from .client import EncoderReceiver
-from .errors import EncodeFailedError, ItemAttempt, ShardError
-from .health import FailoverPolicy
-from .precomputed import PRECOMPUTED_KEY
-from .prefill import batch_embedding, expand_placeholders
-from .result import EncodeResult, ItemResult
-from .sharding import Shard, plan_shards
-from .shm import TransferStats
-from .windows import Window, get_embedding_chunk, window_rows
+import importlib
+from typing import Any
 
-__all__ = [
-    "ClientTls",
-    "DeadlineExceededError",
-    "EncodeFailedError",
-    "EncodeResult",
-    "EncoderError",
-    "EncoderReceiver",
-    "FailoverPolicy",
-    "InvalidItemError",
-    "ItemAttempt",
-    "ItemResult",
-    "ItemsOffsetError",
-    "OverloadedError",
-    "PRECOMPUTED_KEY",
-    "Shard",
-    "ShardError",
-    "SharedMemoryUnavailableError",
-    "TransferStats",
-    "UnavailableError",
-    "UnsupportedModalityError",
-    "Window",
-    "batch_embedding",
-    "expand_placeholders",
-    "get_embedding_chunk",
-    "plan_shards",
-    "window_rows",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "DeadlineExceededError": "encoder_common.errors",
+    "EncoderError": "encoder_common.errors",
+    "InvalidItemError": "encoder_common.errors",
+    "ItemsOffsetError": "encoder_common.errors",
+    "OverloadedError": "encoder_common.errors",
+    "SharedMemoryUnavailableError": "encoder_common.errors",
+    "UnavailableError": "encoder_common.errors",
+    "UnsupportedModalityError": "encoder_common.errors",
+    "ClientTls": "receiver.config",
+    "FailoverPolicy": "receiver.config",
+    "ReceiverConfig": "receiver.config",
+    "EncoderReceiver": "receiver.client",
+    "EncodeFailedError": "receiver.errors",
+    "ItemAttempt": "receiver.errors",
+    "ShardError": "receiver.errors",
+    "PRECOMPUTED_KEY": "receiver.precomputed",
+    "batch_embedding": "receiver.prefill",
+    "expand_placeholders": "receiver.prefill",
+    "EncodeResult": "receiver.result",
+    "ItemResult": "receiver.result",
+    "Shard": "receiver.sharding",
+    "plan_shards": "receiver.sharding",
+    "TransferStats": "receiver.shm",
+    "Window": "receiver.windows",
+    "get_embedding_chunk": "receiver.windows",
+    "window_rows": "receiver.windows",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'receiver' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-DEFAULT_BALANCE = 1.25
+from .config import DEFAULT_BALANCE
+
 # Keys whose encoders the receiver remembers: ~100 bytes each, so about 10 MB at most.
 DEFAULT_MEMORY_KEYS = 100_000
 

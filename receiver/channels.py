@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from protos import encoder_pb2 as pb
 from protos import wire
+
+from .config import ClientTls
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
 SERVICE_NAME = _SERVICE[1:]
@@ -24,32 +25,6 @@ def grpc_target(url: str) -> str:
     if "://" in url:
         raise ValueError(f"unsupported encoder URL {url!r}: use grpc://host:port or grpcs://host:port")
     return url
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClientTls:
-    """TLS settings for `grpcs://` encoders: the CAs to trust and, for mTLS, this client's certificate.
-
-    All PEM bytes; `root_certificates=None` trusts the system's CAs.
-    """
-
-    root_certificates: bytes | None = None
-    certificate_chain: bytes | None = None
-    private_key: bytes | None = None
-
-    @classmethod
-    def from_files(
-        cls, *, ca_file: str | Path | None = None, cert_file: str | Path | None = None, key_file: str | Path | None = None
-    ) -> ClientTls:
-        def read(path):
-            return Path(path).read_bytes() if path is not None else None
-
-        return cls(root_certificates=read(ca_file), certificate_chain=read(cert_file), private_key=read(key_file))
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        if (self.certificate_chain is None) != (self.private_key is None):
-            raise ValueError("a client certificate needs its private key, and the other way round")
-        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
 
 @dataclass

@@ -11,16 +11,17 @@ import time
 import uuid
 from pathlib import Path
 
-from encoder_common.env_flags import EnvDefaultsParser
+from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
 from encoder_common.malloc import tune_malloc
 
-# Importing receiver.cli runs receiver/__init__, which imports .client already: this costs --help nothing.
-from .client import DEFAULT_TIMEOUT_S
+from .config import ReceiverConfig, add_credential_flags, credentials_from_args
 
 ENV_PREFIX = "ENCODER_CLIENT_"
 
 
 def build_parser() -> EnvDefaultsParser:
+    """The images and what to do with them, then one flag per ReceiverConfig setting and the credential
+    files."""
     p = EnvDefaultsParser(
         prog="encoder-client",
         env_prefix=ENV_PREFIX,
@@ -33,23 +34,11 @@ def build_parser() -> EnvDefaultsParser:
         help="encoder URLs, comma-separated: grpc://host:port, or dns:///name:port for every address behind a name",
     )
     p.add_argument("--request-id", default=None, help="request id sent to the encoders (a random one if unset)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="deadline of the whole call, in seconds")
-    p.add_argument("--seed", type=int, default=None, help="seeds the random sharding across encoders")
-    p.add_argument(
-        "--placement",
-        default="random",
-        choices=("random", "affinity"),
-        help="how items are placed on encoders (affinity: by content, so a repeated image meets its cache)",
-    )
-    p.add_argument(
-        "--receiver-cache-bytes",
-        type=int,
-        default=0,
-        help="embeddings kept in this process to serve repeated images without an encoder call, bytes (0: none)",
-    )
     p.add_argument("--save", default=None, help="write the embeddings to this .safetensors file")
     p.add_argument("--info", action="store_true", help="print each encoder's GetModelInfo first")
     p.add_argument("--log-level", default="WARNING", help="logging level")
+    add_config_flags(p, ReceiverConfig)
+    add_credential_flags(p)
     return p
 
 
@@ -61,8 +50,8 @@ async def run(args) -> int:
     request_id = args.request_id or f"cli-{uuid.uuid4().hex[:12]}"
     paths = [Path(image) for image in args.images]
     items = [{"modality": "image", "url": path.resolve().as_uri()} for path in paths]
-    settings = {"placement": args.placement, "cache_bytes": args.receiver_cache_bytes}
-    async with EncoderReceiver(urls, timeout=args.timeout, seed=args.seed, **settings) as rx:
+    config = config_from_args(ReceiverConfig, args, **credentials_from_args(args))
+    async with EncoderReceiver(urls, config) as rx:
         try:
             if args.info:
                 for url, info in (await rx.model_info()).items():

@@ -8,28 +8,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 from protos import encoder_pb2 as pb
-from encoder_common.errors import EncoderError
 
 from .assembly import Allocator
-from .channels import ClientTls, EncoderEndpoint
-from .discovery import DEFAULT_REFRESH_S, Resolver, resolve_all
-from .errors import EncodeFailedError
-from .affinity import DEFAULT_BALANCE
+from .channels import EncoderEndpoint
+from .config import ReceiverConfig
+from .discovery import Resolver, resolve_all
 from .failover import EncodeJob, Fleet, encode_items
 from .fetch import fetch_leased
-from .health import FailoverPolicy
 from .item_cache import ItemCache
 from .items import check_items, sort_items
 from .metrics import ReceiverMetrics
 from .result import EncodeResult, ItemResult
 from .served_model import ServedModel
 from .shm import ShmReceiver, TransferStats
-
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class EncoderReceiver:
@@ -46,60 +41,33 @@ class EncoderReceiver:
     def __init__(
         self,
         urls: Sequence[str],
+        config: ReceiverConfig | None = None,
         *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        seed: int | None = None,
-        file_roots: Sequence[str | Path] | None = None,
-        failover: FailoverPolicy | None = None,
-        tls: ClientTls | None = None,
-        auth_token: str | None = None,
         resolver: Resolver = resolve_all,
-        refresh_s: float = DEFAULT_REFRESH_S,
         metrics: ReceiverMetrics | None = None,
-        transfer: str = "auto",
-        hidden_size: int | None = None,
-        placement: str = "random",
-        balance: float = DEFAULT_BALANCE,
-        cache_bytes: int = 0,
+        **settings: Any,
     ):
         """
         Args:
             urls: encoder servers, as `grpc://host:port`, `grpcs://host:port` (TLS), or
                 `dns:///name:port` for every address behind a name (a headless Service's pods),
                 re-resolved as pods come and go.
-            timeout: default deadline of one `encode` call, in seconds, retries included.
-            seed: seeds the random sharding (for tests and reproducible runs).
-            file_roots: directories `file://` items may be read from; None allows any path.
-            failover: retry, stall-detection and back-off settings.
-            tls, auth_token: CAs and client certificate for `grpcs://`; a bearer token for every call.
-            resolver, refresh_s: resolve `dns:` names (the system resolver by default), this often.
+            config: every setting (`receiver.config.ReceiverConfig`: deadline, placement, transfer,
+                cache, failover, credentials, ...); `settings` are keyword overrides of its fields,
+                e.g. `EncoderReceiver(urls, timeout=30, placement="affinity")`.
+            resolver: resolves `dns:` names (the system resolver by default).
             metrics: counters to record into (shared between receivers if given).
-            transfer: "auto": through shared memory from encoders that prove they share this host
-                (started with --shm-transfer), the gRPC stream otherwise; "shm": shared memory or
-                SharedMemoryUnavailableError; "grpc": the stream only.
-            hidden_size: the embedding width precomputed items are checked against while no
-                ModelInfo has been fetched (a request of precomputed items only fetches none).
-            placement: "random" (count-balanced random shards) or "affinity" (by content key, see
-                `receiver.affinity`; no encoder takes more than ceil(`balance` x mean) of a request).
-            cache_bytes: the receiver's embedding cache (`receiver.item_cache`), 0 for none.
         """
         if not urls:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
         self.urls = list(urls)
-        self.timeout = timeout
-        self.file_roots = None if file_roots is None else [Path(r).resolve() for r in file_roots]
-        self.failover = failover or FailoverPolicy()
-        self.hidden_size = hidden_size
-        self._shm = ShmReceiver.for_transfer(transfer)  # first: it may refuse `transfer`; "auto" touches no file yet
+        self.config = config = replace(config or ReceiverConfig(), **settings)
+        self._shm = ShmReceiver.for_transfer(config.transfer)  # "auto" touches no file yet
         self.metrics = metrics or ReceiverMetrics()
-        self._fleet = Fleet.connect(
-            self.urls, tls=tls, auth_token=auth_token, resolver=resolver, refresh_s=refresh_s,
-            close_grace_s=timeout, policy=self.failover, metrics=self.metrics, shm=self._shm, seed=seed,
-            placement=placement, balance=balance,
-        )  # fmt: skip
-        self.cache = ItemCache(cache_bytes) if cache_bytes else None
+        self._fleet = Fleet.connect(self.urls, config, resolver=resolver, metrics=self.metrics, shm=self._shm)
+        self.cache = ItemCache(config.cache_bytes) if config.cache_bytes else None
         self.discovery = self._fleet.discovery
-        self._served = ServedModel(self._fleet.pool, timeout, hidden_size)
+        self._served = ServedModel(self._fleet.pool, config.timeout, config.hidden_size)
 
     async def __aenter__(self) -> EncoderReceiver:
         return self
@@ -165,8 +133,8 @@ class EncoderReceiver:
         started = time.perf_counter()
         results: dict[int, ItemResult] = {}
         try:
-            results, sources = await sort_items(self._served, items, self.file_roots)
-            deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+            results, sources = await sort_items(self._served, items, self.config.file_roots)
+            deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
             job = EncodeJob(request_id, deadline, results, num_items_assigned, lease)
             await encode_items(self._fleet, self.cache, job, sources)
         finally:
@@ -187,11 +155,9 @@ class EncoderReceiver:
         Asks `prefer_url` first (the encoder that encoded it), then the others; raises
         receiver.fetch.FetchFailedError, with each encoder's answer, when none streams it."""
         endpoints = await self._fleet.pool.endpoints()
-        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
         return await fetch_leased(
-            endpoints, request_id, key, deadline=deadline, prefer_url=prefer_url, policy=self.failover,
+            endpoints, request_id, key, deadline=deadline, prefer_url=prefer_url, policy=self.config.failover,
             shm=self._shm, allocate=allocate,
         )  # fmt: skip
 
-
-__all__ = ["ClientTls", "EncodeFailedError", "EncoderError", "EncoderReceiver", "FailoverPolicy"]

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from encoder_common.errors import UnavailableError
 
 from .channels import EncoderEndpoint, grpc_target
+from .config import DEFAULT_REFRESH_S
 from .metrics import ReceiverMetrics
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50051  # encoder-server's default --port
-DEFAULT_REFRESH_S = 10.0
 DEFAULT_FAILURE_COOLDOWN_S = 15.0
 
 # (host, port) -> every (address, port) behind it. Blocking; it runs on a worker thread.

@@ -16,21 +16,20 @@ import grpc
 from encoder_common.errors import Failover
 from protos import encoder_pb2 as pb
 
-from .channels import ClientTls, EncoderEndpoint
+from .channels import EncoderEndpoint
+from .config import DEFAULT_BALANCE, FailoverPolicy, ReceiverConfig
 from .discovery import EncoderDiscovery, EndpointPool, Resolver
 from .errors import ShardError
-from .health import FailoverPolicy, HealthTracker
+from .health import HealthTracker
 from .item_cache import ItemCache
 from .metrics import ReceiverMetrics
-from .affinity import DEFAULT_BALANCE, PlacementMemory, content_key
+from .affinity import PlacementMemory, content_key
 from .placement import Affinity, RequestPlacement
 from .result import ItemResult
 from .shard_call import encode_shard
 from .shm import ShmReceiver
 
 log = logging.getLogger(__name__)
-
-PLACEMENTS = ("random", "affinity")
 
 
 @dataclass
@@ -55,34 +54,23 @@ class Fleet:
     def connect(
         cls,
         urls: Sequence[str],
+        config: ReceiverConfig,
         *,
-        tls: ClientTls | None,
-        auth_token: str | None,
         resolver: Resolver,
-        refresh_s: float,
-        close_grace_s: float,
-        policy: FailoverPolicy,
         metrics: ReceiverMetrics,
         shm: ShmReceiver | None,
-        seed: int | None,
-        placement: str = "random",
-        balance: float = DEFAULT_BALANCE,
     ) -> Fleet:
         """The fleet behind `urls`; channels open on first use, one per encoder."""
-        discovery = EncoderDiscovery(urls, resolver=resolver, refresh_s=refresh_s, metrics=metrics)
+        discovery = EncoderDiscovery(urls, resolver=resolver, refresh_s=config.refresh_s, metrics=metrics)
         pool = EndpointPool(
             discovery,
-            close_grace_s=close_grace_s,
-            connect=lambda url: EncoderEndpoint.connect(url, tls=tls, auth_token=auth_token),
+            close_grace_s=config.timeout,
+            connect=lambda url: EncoderEndpoint.connect(url, tls=config.tls, auth_token=config.auth_token),
         )
-        health = HealthTracker(policy)
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        if balance < 1.0:
-            raise ValueError(f"balance must be at least 1.0, got {balance}")
-        rngs = {"rng": random.Random(seed), "jitter": random.Random()}
-        settings = {"placement": placement, "balance": balance}
-        return cls(pool, discovery, health, policy, metrics, shm, **rngs, **settings)
+        health = HealthTracker(config.failover)
+        rngs = {"rng": random.Random(config.seed), "jitter": random.Random()}
+        settings = {"placement": config.placement, "balance": config.balance}
+        return cls(pool, discovery, health, config.failover, metrics, shm, **rngs, **settings)
 
     def shard_failed(self, error: ShardError) -> None:
         """Counts the failure; an unreachable encoder makes discovery re-resolve and skip it a while."""

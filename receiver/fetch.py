@@ -10,7 +10,7 @@ from encoder_common.errors import EncoderError, NotFoundError
 
 from .assembly import Allocator
 from .channels import EncoderEndpoint
-from .health import FailoverPolicy
+from .config import FailoverPolicy
 from .result import ItemResult
 from .shard_call import fetch_shard
 from .shm import ShmReceiver

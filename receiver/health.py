@@ -1,5 +1,5 @@
 """What the receiver believes about each encoder: healthy, or failed and backing off until a
-grpc.health.v1 probe says SERVING again; and the failover settings that drive it."""
+grpc.health.v1 probe says SERVING again, under a FailoverPolicy (receiver.config)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,9 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from .channels import EncoderEndpoint
-
-
-@dataclass(frozen=True, kw_only=True)
-class FailoverPolicy:
-    max_attempts: int = 6  # Encode calls one item may fail in before its request fails
-    stall_timeout_s: float = 5.0  # silence on a stream after which the encoder is probed
-    probe_timeout_s: float = 1.0  # a health probe without an answer by then counts as failed
-    backoff_s: float = 1.0  # how long a failed encoder is skipped; doubles with each further failure
-    max_backoff_s: float = 30.0
-    # First wait before re-sending items an encoder refused as overloaded; doubles per attempt, so
-    # an item gives up on a fleet that stays overloaded after ~3 s of back-off (0.1 + ... + 1.6).
-    busy_backoff_s: float = 0.1
+from .config import FailoverPolicy
 
 
 def backoff_s(first_s: float, attempt: int, rng: random.Random, *, spread: float, cap_s: float = math.inf) -> float:

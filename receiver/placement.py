@@ -24,7 +24,8 @@ from encoder_common.errors import (
 
 from . import affinity
 from .errors import EncodeFailedError, ItemAttempt, ShardError
-from .health import FailoverPolicy, backoff_s
+from .config import FailoverPolicy
+from .health import backoff_s
 from .result import ItemResult
 from .sharding import plan_shards
 

@@ -17,7 +17,7 @@ from protos import wire
 from .assembly import Allocator, ShardAssembler, StreamProtocolError
 from .channels import EncoderEndpoint
 from .errors import ShardError
-from .health import FailoverPolicy
+from .config import FailoverPolicy
 from .result import ItemResult
 from .shm import ShmReceiver
 

@@ -22,6 +22,7 @@ from encoder_server.shm import ShmConfig
 from encoder_common.sources import SourcePolicy, networks, root_paths
 from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli
+from receiver.config import ReceiverConfig
 from precompute import command as precompute
 from gateway import cli as gateway_cli
 from gateway.config import GatewayConfig
@@ -185,7 +186,7 @@ def test_the_gateway_flags_build_its_config_with_the_configs_own_defaults(monkey
     assert config == GatewayConfig(
         engine_url="http://engine:8000",
         encoders=("grpc://a:1", "grpc://b:2"),
-        encode_timeout_s=5.0,
+        receiver=ReceiverConfig(timeout=5.0),
         engine_timeout_s=30.0,
         sources=SourcePolicy(file_roots=(Path("/srv"), Path("/data")), http_urls="public"),
         pass_non_image=True,

@@ -21,7 +21,7 @@ from gateway.app import start
 from gateway.cli import build_parser, config_from_args
 from gateway.config import GatewayConfig
 from gateway.protocol import image_parts, replace_parts
-from receiver import EncoderReceiver
+from receiver import EncoderReceiver, ReceiverConfig
 from testkit.checkpoints import write_checkpoint
 from testkit import REPO_ROOT
 from testkit.encoders import EncoderDouble
@@ -125,7 +125,7 @@ async def test_pass_non_image_forwards_them_to_the_engine(encoder):
 
 
 async def test_no_encoder_reachable_is_503():
-    async with gateway([f"grpc://127.0.0.1:{free_port()}"], encode_timeout_s=20) as url:
+    async with gateway([f"grpc://127.0.0.1:{free_port()}"], receiver=ReceiverConfig(timeout=20)) as url:
         status, headers, reply = await post(url, chat_request("m", [image_part(image_bytes(64, 64))]))
     assert status == 503, reply
     assert "no encoder is reachable" in reply["error"]["message"]
@@ -262,12 +262,12 @@ def test_config_from_the_environment(monkeypatch, tmp_path):
     (tmp_path / "token").write_text("secret\n")
     monkeypatch.setenv("ENCODER_GATEWAY_ENGINE_URL", "http://engine:8000")
     monkeypatch.setenv("ENCODER_GATEWAY_ENCODERS", "grpc://a:1, grpc://b:2")
-    monkeypatch.setenv("ENCODER_GATEWAY_ALLOW_INTERNAL_URLS", "true")
+    monkeypatch.setenv("ENCODER_GATEWAY_HTTP_URLS", "any")
     monkeypatch.setenv("ENCODER_GATEWAY_AUTH_TOKEN_FILE", str(tmp_path / "token"))
     config = config_from_args(build_parser().parse_args([]))
     assert config.engine_url == "http://engine:8000"
     assert config.encoders == ("grpc://a:1", "grpc://b:2")
-    assert config.sources.http_urls == "any" and config.auth_token == "secret"
+    assert config.sources.http_urls == "any" and config.receiver.auth_token == "secret"
 
 
 async def test_mtls_and_token_flags_reach_the_encoders(default_model_dir, pki, token_file, tmp_path):

@@ -1,0 +1,138 @@
+"""Everything an EncoderReceiver is configured with, in frozen dataclasses that need neither torch nor
+a model: the receiver and its fleet take `ReceiverConfig` whole, `encoder-client` builds its flags from
+it, and `encoder-gateway` embeds it. The vocabularies of `transfer` and `placement` live here."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from encoder_common.env_flags import flag
+
+TRANSFERS = ("auto", "grpc", "shm")
+PLACEMENTS = ("random", "affinity")
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_REFRESH_S = 10.0  # how often `dns:` names are resolved again
+DEFAULT_BALANCE = 1.25
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailoverPolicy:
+    max_attempts: int = 6  # Encode calls one item may fail in before its request fails
+    stall_timeout_s: float = 5.0  # silence on a stream after which the encoder is probed
+    probe_timeout_s: float = 1.0  # a health probe without an answer by then counts as failed
+    backoff_s: float = 1.0  # how long a failed encoder is skipped; doubles with each further failure
+    max_backoff_s: float = 30.0
+    # First wait before re-sending items an encoder refused as overloaded; doubles per attempt, so
+    # an item gives up on a fleet that stays overloaded after ~3 s of back-off (0.1 + ... + 1.6).
+    busy_backoff_s: float = 0.1
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS settings for `grpcs://` encoders: the CAs to trust and, for mTLS, this client's certificate.
+
+    All PEM bytes; `root_certificates=None` trusts the system's CAs. A client certificate needs its key.
+    """
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("a client certificate needs its private key, and the other way round")
+
+    @classmethod
+    def from_files(
+        cls, *, ca_file: str | Path | None = None, cert_file: str | Path | None = None, key_file: str | Path | None = None
+    ) -> ClientTls:
+        def read(path):
+            return Path(path).read_bytes() if path is not None else None
+
+        return cls(root_certificates=read(ca_file), certificate_chain=read(cert_file), private_key=read(key_file))
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverConfig:
+    """An EncoderReceiver's settings. The flagged ones are the commands' flags (`encoder-client`,
+    `encoder-gateway`); the credentials come from files (`add_credential_flags`)."""
+
+    timeout: float = field(
+        default=DEFAULT_TIMEOUT_S,
+        metadata=flag("deadline of one request's encode, retries included, seconds", name="--encode-timeout"),
+    )
+    placement: str = field(
+        default="random",
+        metadata=flag(
+            "how items are placed on encoders (affinity: by content, so a repeated image meets its cache)",
+            choices=PLACEMENTS,
+        ),
+    )
+    balance: float = field(
+        default=DEFAULT_BALANCE, metadata=flag("with --placement affinity: the load bound (receiver.affinity)")
+    )
+    cache_bytes: int = field(
+        default=0,
+        metadata=flag(
+            "embeddings kept by the receiver to serve repeated images without an encoder call, bytes (0: none)",
+            name="--receiver-cache-bytes",
+        ),
+    )
+    transfer: str = field(
+        default="auto",
+        metadata=flag(
+            "how embeddings come back: auto (shared memory from encoders on this host, else the stream), "
+            "shm (shared memory or an error), grpc (the stream only)",
+            choices=TRANSFERS,
+        ),
+    )
+    seed: int | None = field(default=None, metadata=flag("seeds the random sharding across encoders", type=int))
+    file_roots: tuple[Path, ...] | None = None  # directories `file://` items may be read from; None: any path
+    # The embedding width precomputed items are checked against while no ModelInfo has been fetched (a
+    # request of precomputed items only fetches none).
+    hidden_size: int | None = None
+    refresh_s: float = DEFAULT_REFRESH_S
+    failover: FailoverPolicy = field(default_factory=FailoverPolicy)
+    tls: ClientTls | None = None  # for grpcs:// encoders
+    auth_token: str | None = None  # sent as `authorization: Bearer <token>` on every call
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {TRANSFERS}, got {self.transfer!r}")
+        if self.balance < 1.0:
+            raise ValueError(f"balance must be at least 1.0, got {self.balance}")
+        if self.file_roots is not None:
+            object.__setattr__(self, "file_roots", tuple(Path(root).resolve() for root in self.file_roots))
+
+
+def add_credential_flags(parser: argparse.ArgumentParser) -> None:
+    """The files a command reads the receiver's TLS credentials and bearer token from."""
+    parser.add_argument("--tls-ca-file", default=None, help="PEM CAs to trust for grpcs:// encoders (default: the system's)")
+    parser.add_argument("--tls-cert-file", default=None, help="PEM client certificate for mTLS to the encoders")
+    parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+    parser.add_argument(
+        "--auth-token-file", default=None, help="file whose first line is the bearer token sent to the encoders"
+    )
+
+
+def credentials_from_args(args: argparse.Namespace) -> dict[str, ClientTls | str | None]:
+    """`tls` and `auth_token` for a ReceiverConfig, read from the files `add_credential_flags` names."""
+    tls = None
+    if args.tls_ca_file or args.tls_cert_file or args.tls_key_file:
+        tls = ClientTls.from_files(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file)
+    auth_token = None
+    if args.auth_token_file:
+        lines = Path(args.auth_token_file).read_text().splitlines()
+        auth_token = lines[0].strip() if lines else ""
+        if not auth_token:
+            raise ValueError(f"{args.auth_token_file} holds no token")
+    return {"tls": tls, "auth_token": auth_token}
