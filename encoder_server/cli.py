@@ -37,11 +37,10 @@ def main(argv: list[str] | None = None) -> None:
     from .config import ServerConfig
     from .server import serve
 
-    if bool(args.tls_cert_file) != bool(args.tls_key_file):
-        raise SystemExit("encoder-server: --tls-cert-file and --tls-key-file go together")
-    if args.tls_client_ca_file and not args.tls_cert_file:
-        raise SystemExit("encoder-server: --tls-client-ca-file needs --tls-cert-file and --tls-key-file")
-    config = config_from_args(ServerConfig, args)
+    try:
+        config = config_from_args(ServerConfig, args)
+    except ValueError as exc:  # settings that do not go together
+        raise SystemExit(f"encoder-server: {exc}") from None
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:

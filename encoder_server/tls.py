@@ -20,6 +20,12 @@ class TlsConfig:
         default=None, metadata=flag("PEM CA: require client certificates it signed (mTLS)")
     )
 
+    def __post_init__(self) -> None:
+        missing = [name for name, value in (("--tls-cert-file", self.cert_file), ("--tls-key-file", self.key_file)) if not value]
+        if missing:
+            needs = "--tls-client-ca-file needs" if self.client_ca_file else "TLS needs"
+            raise ValueError(f"{needs} both --tls-cert-file and --tls-key-file; {' and '.join(missing)} not given")
+
     @property
     def mutual(self) -> bool:
         return self.client_ca_file is not None

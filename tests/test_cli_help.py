@@ -166,6 +166,19 @@ def test_the_server_flags_build_its_config_with_the_configs_own_defaults(monkeyp
     )
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tls-cert-file", "c.pem"], "TLS needs both --tls-cert-file and --tls-key-file; --tls-key-file not given"),
+        (["--tls-client-ca-file", "ca.pem"], "--tls-client-ca-file needs both .* --tls-cert-file and --tls-key-file not"),
+    ],
+)
+def test_the_tls_config_refuses_a_half_pair(monkeypatch, flags, message):
+    clear_env(monkeypatch, "encoder-server")
+    with pytest.raises(ValueError, match=message):
+        config_from_args(ServerConfig, cli.build_parser().parse_args(["--model", "m", *flags]))
+
+
 def test_the_precompute_flags_build_its_settings_with_their_own_defaults(monkeypatch):
     clear_env(monkeypatch, "encoder-precompute")
     args = precompute.build_parser().parse_args(["images/", "--out", "/cache"])
