@@ -28,7 +28,7 @@ from gateway.config import GatewayConfig
 from testkit import REPO_ROOT
 from testkit.default_model import write_default_model
 from testkit.launcher import launch_server
-from testkit.vllm_server import ENGINES_PYTHON, engines_env, launch_vllm
+from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, engines_env, launch_vllm
 
 MODEL = "tiny"
 PATHS = ("vllm", "inline", "connector")
@@ -140,14 +140,8 @@ async def bench(args) -> int:
     result_dir.mkdir(parents=True, exist_ok=True)
     model_dir = write_default_model(work / "model")
     with launch_server(model_dir, "--dtype", "float32", "--cache-bytes", "0", log_dir=work) as encoder:
-        transfer = {
-            "ec_connector": "EncoderServiceConnector",
-            "ec_connector_module_path": "receiver.vllm_connector",
-            "ec_role": "ec_consumer",
-            "ec_connector_extra_config": {"encoders": [encoder.url]},
-        }
         engine_flags = [
-            "--served-model-name", MODEL, "--ec-transfer-config", json.dumps(transfer),
+            "--served-model-name", MODEL, "--ec-transfer-config", connector_transfer_config([encoder.url]),
             "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
         ]  # fmt: skip
         with launch_vllm(model_dir, log_path=work / "vllm.log", max_images=3, extra_args=engine_flags) as vllm:

@@ -37,6 +37,17 @@ def engines_env(**extra: str) -> dict[str, str]:
     }
 
 
+def connector_transfer_config(encoders: Sequence[str], **extra: object) -> str:
+    """vLLM's --ec-transfer-config for an ec_consumer that takes embeddings from `encoders` through
+    receiver.vllm_connector; `extra` goes into its ec_connector_extra_config."""
+    return json.dumps({
+        "ec_connector": "EncoderServiceConnector",
+        "ec_connector_module_path": "receiver.vllm_connector",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"encoders": list(encoders), **extra},
+    })  # fmt: skip
+
+
 def free_port() -> int:
     """A port the OS picks on 127.0.0.1 (vLLM takes a port number, not a bound socket)."""
     with socket.socket() as sock:

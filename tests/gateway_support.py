@@ -14,7 +14,7 @@ import pytest
 # The request helpers live in testkit (benchmarks use them too); the gateway tests import them from here.
 from testkit.chat import MAX_TOKENS, TOP_LOGPROBS, chat_request, data_url, image_part  # noqa: F401
 from testkit.images import image_bytes
-from testkit.vllm_server import ENGINES_PYTHON, VllmServer, launch_vllm
+from testkit.vllm_server import ENGINES_PYTHON, VllmServer, free_port, launch_vllm
 
 
 @contextlib.contextmanager
@@ -27,11 +27,13 @@ def engine_server(model_dir: Path, log_dir: Path, extra_args: Sequence[str] = ()
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(engine_url: str, encoders: Sequence[str], **options: Any) -> AsyncIterator[str]:
-    """encoder-gateway on 127.0.0.1 (an OS-chosen port) in front of `engine_url`; yields its URL."""
+async def running_gateway(engine_url: str | None, encoders: Sequence[str], **options: Any) -> AsyncIterator[str]:
+    """encoder-gateway on 127.0.0.1 (an OS-chosen port) in front of `engine_url` (None: a port nothing
+    listens on); yields its URL."""
     from gateway.app import start
     from gateway.config import GatewayConfig
 
+    engine_url = engine_url or f"http://127.0.0.1:{free_port()}"
     runner, port = await start(
         GatewayConfig(engine_url=engine_url, encoders=tuple(encoders), host="127.0.0.1", port=0, **options)
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import subprocess
 import sys
@@ -19,7 +20,6 @@ from encoder_server.batcher import BatchingConfig
 from encoder_server.models import load_vision_encoder
 from gateway.app import start
 from gateway.cli import build_parser, config_from_args
-from gateway.config import GatewayConfig
 from gateway.protocol import image_parts, replace_parts
 from receiver import EncoderReceiver, ReceiverConfig
 from testkit.checkpoints import write_checkpoint
@@ -29,22 +29,12 @@ from testkit.images import image_bytes
 from testkit.launcher import launch_server
 from testkit.servers import running_server
 from testkit.vllm_server import free_port
-from tests.gateway_support import chat_request, data_url, image_part
+from tests.gateway_support import chat_request, data_url, image_part, running_gateway
 from tests.test_security import TOKEN, pki, token_file  # noqa: F401  (fixtures)
 
 
-@contextlib.asynccontextmanager
-async def gateway(encoders: list[str], engine_url: str | None = None, **options):
-    """A gateway on 127.0.0.1; by default its engine URL is a port nothing listens on."""
-    engine_url = engine_url or f"http://127.0.0.1:{free_port()}"
-    config = GatewayConfig(
-        engine_url=engine_url, encoders=tuple(encoders), host="127.0.0.1", port=0, **options
-    )
-    runner, port = await start(config)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+# A gateway on 127.0.0.1 whose engine URL is, unless given, a port nothing listens on.
+gateway = functools.partial(running_gateway, None)
 
 
 async def post(url: str, body) -> tuple[int, dict, dict]:

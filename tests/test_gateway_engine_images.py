@@ -5,13 +5,13 @@ vLLM alone refuses, the gateway refuses with a 400 naming the part."""
 
 from __future__ import annotations
 
-import json
 
 import aiohttp
 import pytest
 
 from testkit.image_set import image_set, refused_images
 from testkit.servers import running_server
+from testkit.vllm_server import connector_transfer_config
 from tests.gateway_support import (
     chat_request,
     complete,
@@ -64,14 +64,8 @@ async def blind_vllm(reference, encoder, default_model_dir, tmp_path_factory):
     """vLLM on the zeroed-tower copy, as ec_consumer of the encoder (for the connector hand-off); it takes
     inline image_embeds parts too."""
     model_dir = zeroed_tower_copy(default_model_dir, tmp_path_factory.mktemp("zeroed-tower") / "model")
-    transfer = {
-        "ec_connector": "EncoderServiceConnector",
-        "ec_connector_module_path": "receiver.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"encoders": [encoder.url], "fetch_timeout_s": 60},
-    }
     log_dir = tmp_path_factory.mktemp("vllm-blind")
-    consumer = [*SERVED, "--ec-transfer-config", json.dumps(transfer)]
+    consumer = [*SERVED, "--ec-transfer-config", connector_transfer_config([encoder.url], fetch_timeout_s=60)]
     with engine_server(model_dir, log_dir, extra_args=consumer) as server:
         yield server
 

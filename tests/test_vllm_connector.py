@@ -5,7 +5,6 @@ weights are zeroed), and a lost embedding fails only its request while the engin
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 
@@ -19,7 +18,7 @@ from gateway.handoff import image_embeds_part, leased_part
 from receiver import EncoderReceiver
 from testkit.launcher import launch_server
 from testkit.servers import running_server
-from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
+from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm
 from tests.gateway_support import chat_request, complete, image_part, images, logprob_gap, zeroed_tower_copy
 
 pytestmark = pytest.mark.engine
@@ -103,17 +102,11 @@ def killable_encoder(default_model_dir, tmp_path_factory):
 async def consumer(reference, encoders, killable_encoder, zeroed_tower_model, tmp_path_factory):
     """vLLM as ec_consumer with EncoderServiceConnector, on the zeroed-tower checkpoint."""
     urls = [server.url for server in encoders] + [killable_encoder.url]
-    transfer = {
-        "ec_connector": "EncoderServiceConnector",
-        "ec_connector_module_path": "receiver.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"encoders": urls, "fetch_timeout_s": 60},
-    }
     log_path = tmp_path_factory.mktemp("vllm-consumer") / "vllm.log"
     with launch_vllm(
         zeroed_tower_model,
         log_path=log_path,
-        extra_args=served(["--ec-transfer-config", json.dumps(transfer)]),
+        extra_args=served(["--ec-transfer-config", connector_transfer_config(urls, fetch_timeout_s=60)]),
     ) as server:
         yield server
 

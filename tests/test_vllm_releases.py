@@ -16,7 +16,7 @@ from gateway.app import start
 from gateway.config import GatewayConfig
 from receiver.vllm_releases import SUPPORTED_VLLM, in_supported_range, release
 from testkit.servers import running_server
-from testkit.vllm_server import ENGINES_PYTHON, engines_env, launch_vllm
+from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, engines_env, launch_vllm
 
 INSIDE = ["0.31.0", "0.32.0", "0.33.0", "0.33.2+cpu"]
 OUTSIDE = ["0.30.0", "0.34.0", "1.0.0", "unknown"]
@@ -102,19 +102,13 @@ def test_vllm_with_the_connector_fails_at_start_up_outside_the_range(default_mod
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text("import vllm\nvllm.__version__ = '0.34.0'\n")
-    transfer = {
-        "ec_connector": "EncoderServiceConnector",
-        "ec_connector_module_path": "receiver.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"encoders": ["grpc://127.0.0.1:9"]},
-    }
     env = {"PYTHONPATH": f"{site}:{engines_env()['PYTHONPATH']}"}
     log_path = tmp_path / "vllm.log"
     with pytest.raises(RuntimeError, match="vLLM did not start"):
         with launch_vllm(
             default_model_dir,
             log_path=log_path,
-            extra_args=["--ec-transfer-config", json.dumps(transfer)],
+            extra_args=["--ec-transfer-config", connector_transfer_config(["grpc://127.0.0.1:9"])],
             extra_env=env,
             timeout=600,
         ):
