@@ -20,6 +20,7 @@ from .config import ServerConfig
 from .digests import DigestMemo
 from .models import PreparedImage, VisionEncoder
 from .profiles import PROFILES, PreprocessProfile
+from .sender import ItemOut
 from .streams import StreamCharge
 
 # Items up to this size are read and hashed on the event loop (sha256 runs at 0.4-1.6 GB/s here: at
@@ -58,10 +59,9 @@ class ItemPipeline:
 
     async def payloads(
         self, items: Sequence[pb.ImageItem], charge: StreamCharge
-    ) -> AsyncIterator[tuple[int, ItemPayload, bool, bytes | None]]:
-        """Each item's index with its payload, whether that came from the cache, and its content key (None when
-        neither the cache nor `keys` wants one), in the items' order; each payload charged to the
-        call's stream budget (the caller releases it once sent).
+    ) -> AsyncIterator[ItemOut]:
+        """Each item's ItemOut (its payload, whether that came from the cache, its content key), in the
+        items' order; each payload charged to the call's stream budget (the caller releases it once sent).
 
         Raises OverloadedError at once, before any decoding, when the items would not fit beside
         those queued and those still being read or preprocessed: under overload refusals stay fast.
@@ -72,18 +72,16 @@ class ItemPipeline:
         self.check_room(len(items))
         self._preprocessing += len(items)
         if len(items) == 1:  # a lone item needs no task of its own: one turn of the event loop less
-            payload, cache_hit, key = await self._item_payload(items[0], charge)
-            yield items[0].index, payload, cache_hit, key
+            yield await self._item_out(items[0], charge)
             return
         # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
         # as its bytes are read, in tasks started in the items' order; they are still yielded in order.
-        tasks = [asyncio.ensure_future(self._item_payload(item, charge)) for item in items]
+        tasks = [asyncio.ensure_future(self._item_out(item, charge)) for item in items]
         for task in tasks:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         try:
-            for item, task in zip(items, tasks):
-                payload, cache_hit, key = await task
-                yield item.index, payload, cache_hit, key
+            for task in tasks:
+                yield await task
         finally:
             for task in tasks:
                 task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
@@ -93,11 +91,9 @@ class ItemPipeline:
         those still being read or preprocessed."""
         self.batcher.check_room(num_items + self._preprocessing)
 
-    async def _item_payload(
-        self, item: pb.ImageItem, charge: StreamCharge
-    ) -> tuple[ItemPayload, bool, bytes | None]:
-        """An item's response, whether it came from the cache, and its content key, charged to the stream
-        budget (a computed one from before its forward). Errors name the item."""
+    async def _item_out(self, item: pb.ImageItem, charge: StreamCharge) -> ItemOut:
+        """An item's payload, charged to the stream budget (a computed one from before its forward).
+        Errors name the item."""
         loop = asyncio.get_running_loop()
         admitted = _Admission(self)
         try:
@@ -114,11 +110,11 @@ class ItemPipeline:
                 key = await loop.run_in_executor(self.preprocess_pool, self._content_key, item, data)
             compute = functools.partial(self._compute, data, admitted, charge, item.index)
             if self.cache is None:
-                return await compute(), False, key
+                return ItemOut(item.index, await compute(), cache_hit=False, key=key)
             payload, hit = await self.cache.get_or_compute(key, compute)
             if hit:  # from the cache, or another call's computation: this stream holds it too
                 await charge.reserve(item.index, payload.nbytes)
-            return payload, hit, key
+            return ItemOut(item.index, payload, cache_hit=hit, key=key)
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
         finally:

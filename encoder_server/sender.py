@@ -20,9 +20,16 @@ from .payload import ItemPayload
 from .shm import ShmCall
 from .streams import StreamCharge, StreamCut
 
-# What a payload source yields: the item's index in the call, its payload, whether the cache had it,
-# and its content key (None when nothing wants one).
-ItemOut = tuple[int, ItemPayload, bool, "bytes | None"]
+
+@dataclass(frozen=True, slots=True)
+class ItemOut:
+    """What a payload source yields for one item of a call."""
+
+    index: int  # the item's index in the call
+    payload: ItemPayload
+    _: KW_ONLY
+    cache_hit: bool = False  # the cache (or another call's computation) had it
+    key: bytes | None = None  # its content key; None when nothing wants one
 
 
 @dataclass(eq=False)
@@ -44,19 +51,18 @@ class ItemSender:
         shm = self.shm or ShmCall(None, pb.EncodeRequest())
         try:
             async with contextlib.aclosing(payloads) as items:
-                async for index, payload, cache_hit, key in items:
-                    await self._send(shm, index, payload, cache_hit, key)
+                async for item in items:
+                    await self._send(shm, item)
             shm.hand_over()
         finally:
             shm.close()
 
-    async def _send(
-        self, shm: ShmCall, index: int, payload: ItemPayload, cache_hit: bool, key: bytes | None
-    ) -> None:
-        message = payload.header_message(index, cache_hit)
+    async def _send(self, shm: ShmCall, item: ItemOut) -> None:
+        index, payload = item.index, item.payload
+        message = payload.header_message(index, item.cache_hit)
         lease = self.lease
         if lease is not None:
-            message.header.lease.CopyFrom(self.leases.grant(key, payload, lease.ttl_ms))
+            message.header.lease.CopyFrom(self.leases.grant(item.key, payload, lease.ttl_ms))
         # No chunks follow a payload withheld for its Fetch, or placed in shared memory.
         withheld = lease is not None and lease.withhold_payload
         placed = withheld or shm.place(message.header, payload.payload_views())
@@ -118,4 +124,4 @@ async def leased_payloads(payloads: Sequence[ItemPayload], charge: StreamCharge)
     """Leased items for a Fetch, in order, each charged to the stream budget while it is sent."""
     for index, payload in enumerate(payloads):
         await charge.reserve(index, payload.nbytes)
-        yield index, payload, False, None
+        yield ItemOut(index, payload)

@@ -143,7 +143,7 @@ class SglangEncoderServicer:
                 read.cancel()  # the other items' reads, when one failed
         items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=data) for i, data in enumerate(datas)]
         async with contextlib.aclosing(pipeline.payloads(items, charge)) as payloads:
-            return join_part(request, [payload async for _, payload, _, _ in payloads], self.layout)
+            return join_part(request, [item.payload async for item in payloads], self.layout)
 
     async def _tell_failure(self, request: sglang_pb.EncodeRequest, endpoints: Sequence[str], exc: BaseException) -> None:
         """Pushes SGLang's error shape to the part's receiver(s), so the request fails there at once
