@@ -8,7 +8,7 @@ import tomllib
 
 from testkit import REPO_ROOT
 
-CHECKED = ["protos", "encoder_common", "encoder_server", "receiver", "testkit", "scripts", "tests"]
+CHECKED = ["protos", "encoder_common", "encoder_server", "precompute", "receiver", "gateway", "testkit", "scripts", "tests"]
 
 
 def test_no_module_needs_a_newer_python_than_requires_python():
