@@ -44,6 +44,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.tls_client_ca_file and not args.tls_cert_file:
         raise SystemExit("encoder-server: --tls-client-ca-file needs --tls-cert-file and --tls-key-file")
     config = config_from_args(ServerConfig, args)
+    if config.backend == "vllm":  # a missing or unsupported vLLM is one line, before anything loads
+        from .models.vllm_backend import VllmBackendError, check_vllm
+
+        try:
+            check_vllm()
+        except VllmBackendError as exc:
+            raise SystemExit(f"encoder-server: {exc}") from None
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
