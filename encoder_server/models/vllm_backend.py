@@ -36,7 +36,8 @@ from .processors import processor_fingerprint
 log = logging.getLogger(__name__)
 
 MODALITY = "image"
-KV_CACHE_BYTES = 16 << 20
+KV_CACHE_TOKENS = 64
+KV_CACHE_BYTES = 32 << 20  # 64 tokens of a 72B model's KV (~330 KB a token) fit
 
 
 class VllmBackendError(EncoderError):
@@ -95,11 +96,17 @@ class VllmVisionEncoder(VisionEncoder):
             enforce_eager=True,
             limit_mm_per_prompt={MODALITY: 1},  # items are processed one by one
             mm_processor_cache_gb=0,  # repeats are the server's own cache's business
-            # No language model, so no KV cache: without this vLLM would reserve a share of the device's
-            # memory (of the host's, on CPU) for one, or refuse to start where that share is not free.
+            # vLLM 0.32 still sizes a KV cache for the absent language model, for one request of
+            # max_model_len tokens, out of a share of the device's memory (the host's, on CPU). Nothing
+            # reads it here: the smallest cache vLLM accepts, instead of gigabytes. Neither limits images,
+            # whose tokens never enter a prompt here.
+            max_model_len=KV_CACHE_TOKENS,
             kv_cache_memory_bytes=KV_CACHE_BYTES,
         )
         self._llm = llm  # owns the engine the model lives in
+        # vLLM's CPU worker replaces torch.set_num_threads with a warning once it binds its threads, and its
+        # renderer calls it for every image: in one process, that warning would be logged per image.
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.msg)
         (self.model,) = llm.apply_model(lambda model: model)  # in-process: the model object itself
         self.renderer = llm.llm_engine.renderer
         processor = self.renderer.get_mm_processor()
