@@ -77,6 +77,9 @@ class VllmVisionEncoder(VisionEncoder):
         version = check_vllm()
         # The engine core in this process: its model is then an object here, called without a copy.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # On CPU this legacy setting would override the KV cache size set below (see there).
+        if os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) is not None:
+            log.info("VLLM_CPU_KVCACHE_SPACE ignored: an encoder-only model needs no KV cache")
         from vllm import LLM
         from vllm.multimodal.processing.processor import cached_encode
         from vllm.multimodal.utils import group_and_batch_mm_kwargs
