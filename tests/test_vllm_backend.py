@@ -4,12 +4,11 @@ model's `embed_multimodal`), with the token counts and grids the receiver reasse
 language-model weights; and a missing or unsupported vLLM is a one-line start-up error.
 
 The transformers backend stays the default, needs no vLLM, and reports itself in GetModelInfo; the backend
-is part of every content key.
+is part of every content key (tests/test_cache.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import re
@@ -21,8 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from encoder_server.cache import cache_namespace
-from encoder_server.profiles import DEFAULT_PROFILE, PROFILES
 from receiver import EncoderReceiver
 from receiver.vllm_releases import (
     TOWER_BACKEND_VLLM,
@@ -100,18 +97,6 @@ async def test_the_default_backend_is_transformers_and_reports_itself(default_mo
     async with running_server(default_model_dir) as server, EncoderReceiver([server.url]) as receiver:
         info = await receiver.served_model()
     assert (info.backend, info.backend_version) == ("transformers", version("transformers"))
-
-
-def test_the_backend_and_its_release_are_part_of_every_content_key():
-    from testkit.encoders import EncoderDouble
-
-    spec = EncoderDouble(tokens=4).spec
-    profile = PROFILES[DEFAULT_PROFILE]
-    keys = {
-        cache_namespace(dataclasses.replace(spec, backend=backend, backend_version=release), profile)
-        for backend, release in [("transformers", "5.24.0"), ("vllm", "0.32.0"), ("vllm", "0.32.1")]
-    }
-    assert len(keys) == 3
 
 
 # ---------------------------------------------------------------- with vLLM (the engines' venv)
