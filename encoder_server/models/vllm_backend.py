@@ -41,6 +41,7 @@ from .processors import processor_fingerprint
 log = logging.getLogger(__name__)
 
 MODALITY = "image"
+GRID_KEY = "image_grid_thw"  # the patch grid, in the families whose processor gives one (Qwen, GLM)
 KV_CACHE_TOKENS = 64
 KV_CACHE_BYTES = 32 << 20  # 64 tokens of a 72B model's KV (~330 KB a token) fit
 
@@ -133,18 +134,20 @@ class VllmVisionEncoder(VisionEncoder):
         self.deepstack_layers = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
         self.device = parameter.device
         hf_processor = processor.info.get_hf_processor()
+        # Families whose processor gives no patch grid report each item as (1, 1, tokens), so ModelInfo's
+        # t * h * w / merge^2 = tokens holds with no merge; the others, their vision config's patching.
+        gridded = GRID_KEY in self._process(Image.new("RGB", (64, 64)))[0]
+        patching = vision_config if gridded else None
+        family = hf_config.model_type.removesuffix("_moe")  # a MoE language model does not change the tower
         self.spec = ModelSpec(
-            family=hf_config.model_type.removesuffix(
-                "_moe"
-            ),  # a MoE language model does not change the tower
+            family=family,
             model_type=hf_config.model_type,
             hidden_size=self.hidden_size,
             dtype=parameter.dtype,
             device=self.device,
             patch_size=getattr(vision_config, "patch_size", 1),
-            # Families without a patch grid report each item as (1, 1, tokens): no merge, no extra tokens.
-            spatial_merge_size=getattr(vision_config, "spatial_merge_size", 1),
-            temporal_patch_size=getattr(vision_config, "temporal_patch_size", 1),
+            spatial_merge_size=getattr(patching, "spatial_merge_size", 1),
+            temporal_patch_size=getattr(patching, "temporal_patch_size", 1),
             num_deepstack_layers=self.deepstack_layers,
             weights_fingerprint=module_fingerprint(self.model),
             preprocess_fingerprint=processor_fingerprint(
@@ -159,11 +162,8 @@ class VllmVisionEncoder(VisionEncoder):
     ) -> PreparedImage:
         """vLLM's processor on one image, as its renderer runs it for a request (hashing included); the rows
         its placeholder holds are the rows its encoder must give."""
-        processed = self.renderer._process_multimodal(self._prompt, {MODALITY: [image]}, None, None)
-        (item,) = processed["mm_kwargs"][MODALITY]
-        (placeholder,) = processed["mm_placeholders"][MODALITY]
-        num_tokens = placeholder.get_num_embeds()
-        grid = item.get("image_grid_thw")
+        item, num_tokens = self._process(image)
+        grid = item.get(GRID_KEY)
         if grid is not None:
             grid_thw = tuple(int(x) for x in grid.data.tolist())
             num_patches = grid_thw[0] * grid_thw[1] * grid_thw[2]
@@ -177,6 +177,13 @@ class VllmVisionEncoder(VisionEncoder):
             num_patches=num_patches,
             item=item,
         )
+
+    def _process(self, image: Image.Image) -> tuple[object, int]:
+        """The image's kwargs item and its embedding rows, from vLLM's renderer."""
+        processed = self.renderer._process_multimodal(self._prompt, {MODALITY: [image]}, None, None)
+        (item,) = processed["mm_kwargs"][MODALITY]
+        (placeholder,) = processed["mm_placeholders"][MODALITY]
+        return item, placeholder.get_num_embeds()
 
     @torch.inference_mode()
     def encode(self, batch: Sequence[PreparedImage]) -> list[ImageEmbedding]:
