@@ -1,7 +1,7 @@
 """The embedding cache: an LRU of framed item responses bounded in bytes, keyed by content, single-flight.
 
 A key is a full sha256 over the image bytes' sha256 and a namespace that pins everything else the
-output depends on (weights, preprocessing settings and profile, served dtype), so equal keys mean equal
+output depends on (weights, preprocessing settings and profile, served dtype, tower backend), so equal keys mean equal
 embeddings. A hit costs no decode, preprocessing or forward, and not even the framing copy: the
 chunks kept are the very bytes objects sent the first time.
 """
@@ -19,18 +19,20 @@ from .models import ModelSpec
 from .payload import ItemPayload
 from .profiles import PreprocessProfile
 
-KEY_VERSION = b"encoder-cache-v2"  # v2: the preprocessing profile joined the namespace
+KEY_VERSION = b"encoder-cache-v3"  # v2: the preprocessing profile joined the namespace; v3: the backend
 
 
 def cache_namespace(spec: ModelSpec, profile: PreprocessProfile) -> bytes:
     """The part of every key that pins the model: its weights, preprocessing (the processor's settings,
-    and the profile's loader and backend: two profiles never share an embedding) and served dtype."""
+    and the profile's loader and backend: two profiles never share an embedding), served dtype, and the
+    backend running it with its release (transformers 5.24 and vLLM 0.32 may differ in the last bits)."""
     fields = (
         spec.model_type,
         spec.weights_fingerprint,
         spec.preprocess_fingerprint,
         f"{profile.name}/{profile.backend}",
         str(spec.dtype),
+        f"{spec.backend} {spec.backend_version}",
     )
     return hashlib.sha256(b"\0".join([KEY_VERSION, *(f.encode() for f in fields)])).digest()
 

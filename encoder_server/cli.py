@@ -41,6 +41,13 @@ def main(argv: list[str] | None = None) -> None:
         config = config_from_args(ServerConfig, args)
     except ValueError as exc:  # settings that do not go together
         raise SystemExit(f"encoder-server: {exc}") from None
+    if config.backend == "vllm":  # a missing or unsupported vLLM is one line, before anything loads
+        from .models.vllm_backend import VllmBackendError, check_vllm
+
+        try:
+            check_vllm()
+        except VllmBackendError as exc:
+            raise SystemExit(f"encoder-server: {exc}") from None
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:

@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # torch is imported once a config is built, not to build the 
 DTYPE_CHOICES = tuple(name.lower() for name, number in pb.DType.items() if number)
 
 DEFAULT_CACHE_BYTES = 1 << 30
+# Whose code runs the tower: transformers (the families of encoder_server/models, no vLLM needed) or the
+# installed vLLM (any image family it serves; encoder_server/models/vllm_backend.py).
+BACKENDS = ("transformers", "vllm")
 
 
 def port_or_off(value: str) -> int | None:
@@ -58,6 +61,14 @@ class ServerConfig:
     port: int = field(default=50051, metadata=flag("port to listen on (0: any free port)"))
     device: str | None = field(default=None, metadata=flag("cuda when present, else cpu", choices=("cuda", "cpu")))
     dtype: torch.dtype | str = field(default="bfloat16", metadata=dtype_flag("served dtype"))  # a name becomes its torch.dtype
+    backend: str = field(
+        default="transformers",
+        metadata=flag(
+            "whose code runs the tower and its processor: transformers, or the installed vLLM "
+            "(any image family it serves; docs/architecture.md)",
+            choices=BACKENDS,
+        ),
+    )
     batching: BatchingConfig = field(default_factory=BatchingConfig, metadata=section())
     preprocess_workers: int = field(default=4, metadata=flag("threads decoding and preprocessing images"))
     max_items_per_request: int = field(default=64, metadata=flag("items one Encode call may carry"))

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from PIL import Image
@@ -89,7 +90,7 @@ class EncoderServer:
         config = self.config
         if self.encoder is None:
             self.encoder = await asyncio.get_running_loop().run_in_executor(
-                None, load_vision_encoder, config.model, config.device, config.dtype
+                None, load_encoder, config.model, config.device, config.dtype, config.backend
             )
         random_weights = has_random_weights(config.model)
         if random_weights:
@@ -169,10 +170,12 @@ class EncoderServer:
     def _log_ready(self) -> None:
         config, spec = self.config, self.encoder.spec
         log.info(
-            "encoder server ready on %s: %s (%s, hidden %d, %s on %s; %s%s)",
+            "encoder server ready on %s: %s (%s on %s %s, hidden %d, %s on %s; %s%s)",
             self.address,
             config.model,
             spec.family,
+            spec.backend,
+            spec.backend_version,
             spec.hidden_size,
             str(spec.dtype).removeprefix("torch."),
             spec.device,
@@ -232,6 +235,15 @@ class EncoderServer:
     async def wait_for_termination(self) -> None:
         assert self._server is not None
         await self._server.wait_for_termination()
+
+
+def load_encoder(model_dir: str, device: str | None, dtype: torch.dtype, backend: str) -> VisionEncoder:
+    """The checkpoint's vision encoder on the configured backend; vLLM is imported only for its own."""
+    if backend == "vllm":
+        from .models.vllm_backend import load_vllm_encoder
+
+        return load_vllm_encoder(model_dir, device, dtype)
+    return load_vision_encoder(model_dir, device, dtype)
 
 
 def _join_host_port(host: str, port: int | None) -> str:

@@ -44,6 +44,8 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
         lease_max_bytes=config.leases.max_bytes,
         lease_max_ttl_ms=int(config.leases.max_ttl_s * 1000),
         preprocess_profile=config.preprocess_profile,
+        backend=spec.backend,
+        backend_version=spec.backend_version,
     )
 
 

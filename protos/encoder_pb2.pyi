@@ -161,7 +161,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("family", "model_type", "hidden_size", "dtype", "patch_size", "spatial_merge_size", "temporal_patch_size", "num_deepstack_layers", "weights_fingerprint", "device", "random_weights", "max_items_per_request", "max_request_bytes", "server_version", "extra_tokens_per_item", "lease_max_bytes", "lease_max_ttl_ms", "preprocess_profile")
+    __slots__ = ("family", "model_type", "hidden_size", "dtype", "patch_size", "spatial_merge_size", "temporal_patch_size", "num_deepstack_layers", "weights_fingerprint", "device", "random_weights", "max_items_per_request", "max_request_bytes", "server_version", "extra_tokens_per_item", "lease_max_bytes", "lease_max_ttl_ms", "preprocess_profile", "backend", "backend_version")
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,8 @@ class ModelInfo(_message.Message):
     LEASE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MAX_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PREPROCESS_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
     family: str
     model_type: str
     hidden_size: int
@@ -198,4 +200,6 @@ class ModelInfo(_message.Message):
     lease_max_bytes: int
     lease_max_ttl_ms: int
     preprocess_profile: str
-    def __init__(self, family: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., num_deepstack_layers: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., max_items_per_request: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., extra_tokens_per_item: _Optional[int] = ..., lease_max_bytes: _Optional[int] = ..., lease_max_ttl_ms: _Optional[int] = ..., preprocess_profile: _Optional[str] = ...) -> None: ...
+    backend: str
+    backend_version: str
+    def __init__(self, family: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., patch_size: _Optional[int] = ..., spatial_merge_size: _Optional[int] = ..., temporal_patch_size: _Optional[int] = ..., num_deepstack_layers: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., device: _Optional[str] = ..., random_weights: _Optional[bool] = ..., max_items_per_request: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., extra_tokens_per_item: _Optional[int] = ..., lease_max_bytes: _Optional[int] = ..., lease_max_ttl_ms: _Optional[int] = ..., preprocess_profile: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ...) -> None: ...

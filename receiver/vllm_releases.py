@@ -1,11 +1,12 @@
 """The vLLM releases this project's vLLM-facing interfaces are written against, declared once: the
 encoder-cache connector (receiver/vllm_connector.py) and the gateway's `image_embeds` part
-(gateway/handoff.py).
+(gateway/handoff.py); and the encoder server's vLLM tower backend (encoder_server/models/vllm_backend.py).
 
-Imports nothing from vLLM, so the gateway can use it too. The range was read in the wheels: the connector's
-base class, the scheduler calls it answers and the `image_embeds` part are the same in 0.31.0, 0.32.0 and
-0.33.0 (docs/vllm-connector.md, "Releases"). Inside the range the connector also checks, as vLLM starts it,
-that the installed vLLM has every method and type it uses (`receiver.vllm_connector.check_vllm_contract`).
+Imports nothing from vLLM, so the gateway and the encoder server can use it too. The connector's range was
+read in the wheels: the connector's base class, the scheduler calls it answers and the `image_embeds` part
+are the same in 0.31.0, 0.32.0 and 0.33.0 (docs/vllm-connector.md, "Releases"). Inside the range the
+connector also checks, as vLLM starts it, that the installed vLLM has every method and type it uses
+(`receiver.vllm_connector.check_vllm_contract`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,21 @@ import re
 # Lowest release read and tested, and the first release not yet read: [0.31, 0.34).
 SUPPORTED_VLLM_FROM = (0, 31)
 SUPPORTED_VLLM_BELOW = (0, 34)
-SUPPORTED_VLLM = ">={}.{},<{}.{}".format(*SUPPORTED_VLLM_FROM, *SUPPORTED_VLLM_BELOW)
+# The tower backend drives vLLM's renderer, multimodal batching and `embed_multimodal` on a model loaded
+# with `mm_encoder_only`: read and tested in 0.32.0 only (docs/performance.md, "Tower backends").
+TOWER_BACKEND_VLLM_FROM = (0, 32)
+TOWER_BACKEND_VLLM_BELOW = (0, 33)
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def release_range(lowest: tuple[int, int], below: tuple[int, int]) -> str:
+    """A range of releases as a pip specifier: ">=0.31,<0.34"."""
+    return ">={}.{},<{}.{}".format(*lowest, *below)
+
+
+SUPPORTED_VLLM = release_range(SUPPORTED_VLLM_FROM, SUPPORTED_VLLM_BELOW)
+TOWER_BACKEND_VLLM = release_range(TOWER_BACKEND_VLLM_FROM, TOWER_BACKEND_VLLM_BELOW)
 
 
 def release(version: str) -> tuple[int, int, int] | None:
@@ -30,6 +43,9 @@ def release(version: str) -> tuple[int, int, int] | None:
     return int(major), int(minor), int(patch or 0)
 
 
-def in_supported_range(version: str) -> bool:
+def in_supported_range(
+    version: str, lowest: tuple[int, int] = SUPPORTED_VLLM_FROM, below: tuple[int, int] = SUPPORTED_VLLM_BELOW
+) -> bool:
+    """Whether `version` is in [lowest, below): by default the connector's and the gateway's range."""
     parsed = release(version)
-    return parsed is not None and SUPPORTED_VLLM_FROM <= parsed[:2] < SUPPORTED_VLLM_BELOW
+    return parsed is not None and lowest <= parsed[:2] < below

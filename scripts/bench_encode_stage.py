@@ -2,9 +2,13 @@
 same checkpoint, same image, same torch thread count, timed per stage in alternating rounds.
 
     .venv/bin/python scripts/bench_encode_stage.py [--threads 1] [--rounds 12] [--device cpu|cuda] [--json F]
+    .venv-engines/bin/python scripts/bench_encode_stage.py --backend vllm [...]   (the checkout on PYTHONPATH)
 
 Ours runs in this process, with the server's own functions (`decode_image`, the encoder's `preprocess` and
-`encode`). vLLM runs in a worker process of `--engine-python` (its own venv): its image loader
+`encode`), on the server's tower backend that `--backend` names: `transformers` (the default), or `vllm`
+(encoder_server/models/vllm_backend.py: vLLM's processor and model in this process, so this process must
+be the engine venv's python; images are then loaded by the `vllm` profile's loader, as the server's Encode
+loads them). vLLM runs in a worker process of `--engine-python` (its own venv): its image loader
 (`ImageMediaIO.load_bytes`), its multimodal processor (`renderer._process_multimodal`: the checkpoint's HF
 processor plus vLLM's hashing and prompt updates) and its vision tower (`embed_multimodal`, through
 `LLM.apply_model`). The two sides take turns, never run at once; the ratio ours/vLLM is the median over
@@ -156,18 +160,24 @@ class VllmWorker:
 class OurEncodeStage:
     """The server's own path from bytes to embedding: the functions its pipeline and batcher call."""
 
-    def __init__(self, model_dir: Path, device: str):
+    def __init__(self, model_dir: Path, device: str, backend: str):
+        import functools
+
         import torch
 
-        from encoder_server.models import load_vision_encoder
+        from encoder_server.images import DEFAULT_MAX_ASPECT_RATIO, decode_image
+        from encoder_server.profiles import DEFAULT_PROFILE, PROFILES
+        from encoder_server.server import load_encoder
 
-        self.encoder = load_vision_encoder(model_dir, device, torch.float32)
+        self.encoder = load_encoder(model_dir, device, torch.float32, backend)
+        self.decode = decode_image
+        if backend == "vllm":  # as the server's Encode decodes for it: the default profile's loader
+            limits = dict(max_pixels=None, max_aspect_ratio=DEFAULT_MAX_ASPECT_RATIO)
+            self.decode = functools.partial(PROFILES[DEFAULT_PROFILE].decode, **limits)
 
     def run(self, data: bytes) -> tuple[dict, torch.Tensor]:
-        from encoder_server.images import decode_image
-
         start = time.perf_counter()
-        image = decode_image(data)
+        image = self.decode(data)
         decode_ms = _ms(start)
         start = time.perf_counter()
         prepared = self.encoder.preprocess(image)
@@ -194,7 +204,7 @@ def bench(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     model_dir = ensure_default_model(args.model)
-    ours = OurEncodeStage(model_dir, args.device)
+    ours = OurEncodeStage(model_dir, args.device, args.backend)
     vllm = VllmWorker(args.engine_python, model_dir, args.threads)
     results = {}
     try:
@@ -237,6 +247,7 @@ def bench(args: argparse.Namespace) -> dict:
         vllm.close()
     return {
         "machine": f"{os.cpu_count()}-core {os.uname().machine}",
+        "backend": args.backend,
         "device": args.device,
         "threads": args.threads,
         "rounds": args.rounds,
@@ -264,6 +275,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per image and side")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--backend", default="transformers", choices=("transformers", "vllm"), help="our tower backend")
     parser.add_argument("--images", nargs="+", default=list(IMAGE_SIZES), choices=list(IMAGE_SIZES))
     parser.add_argument("--engine-python", default=str(ENGINES_PYTHON), help="vLLM's venv's python")
     parser.add_argument("--json", help="also write the figures here")
@@ -272,8 +284,15 @@ def main() -> None:
     if args.vllm_worker:
         vllm_worker(args.model)
         return
+    if args.backend == "vllm":
+        # Our side's vLLM binds its torch threads to OMP_NUM_THREADS as the worker's does (and then ignores
+        # torch.set_num_threads): set before torch is imported.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     report = bench(args)
-    print(f"worst ratio ours/vLLM: {report['worst_ratio']:.2f}x ({args.threads} threads, {args.device})")
+    print(
+        f"worst ratio ours/vLLM: {report['worst_ratio']:.2f}x "
+        f"({args.backend} backend, {args.threads} threads, {args.device})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 

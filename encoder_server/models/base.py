@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib.metadata import version
 
 import torch
 from PIL import Image
@@ -30,6 +31,10 @@ class ModelSpec:
     preprocess_fingerprint: str
     # Tokens per item beyond grid_thw's merged patches (LLaVA's "full" strategy keeps the CLS token).
     extra_tokens_per_item: int = 0
+    # Whose code runs the tower and preprocessing ("transformers", or "vllm": models/vllm_backend.py) and
+    # its release; both are part of cache keys, since two backends' embeddings of one image may differ.
+    backend: str = "transformers"
+    backend_version: str = field(default_factory=lambda: version("transformers"))
 
 
 @dataclass(frozen=True)
