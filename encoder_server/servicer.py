@@ -53,13 +53,17 @@ def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> p
 
 def _maps_errors(method: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
     """Parses the raw request (with the servicer's `parse_<method name>`), then turns domain errors into
-    their status code, and anything else into a bare INTERNAL."""
+    their status code, and anything else into a bare INTERNAL. Every answer, refusals included, carries
+    the encoder's load in its trailing metadata (encoder_common.load_report), for the receivers' placement."""
 
     @functools.wraps(method)
     async def wrapper(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         try:
-            request = getattr(self, f"parse_{method.__name__}")(request)
-            await method(self, request, context)
+            try:
+                request = getattr(self, f"parse_{method.__name__}")(request)
+                await method(self, request, context)
+            finally:
+                context.set_trailing_metadata(self.pipeline.batcher.load_report().metadata())
         except EncoderError as exc:
             await context.abort(status_for(exc), str(exc))
         except Exception:

@@ -79,8 +79,9 @@ class EncoderReceiver:
                 SharedMemoryUnavailableError; "grpc": the stream only.
             hidden_size: the embedding width precomputed items are checked against while no
                 ModelInfo has been fetched (a request of precomputed items only fetches none).
-            placement: "random" (count-balanced random shards) or "affinity" (by content key, see
-                `receiver.affinity`; no encoder takes more than ceil(`balance` x mean) of a request).
+            placement: "random" (count-balanced random shards) or "affinity" (by content key and load,
+                see `receiver.affinity`: a new item passes over its first-ranked encoder only where it
+                would finish later than `balance` x the soonest it could finish on any encoder).
             cache_bytes: the receiver's embedding cache (`receiver.item_cache`), 0 for none.
         """
         if not urls:
