@@ -27,7 +27,9 @@ def parse_load(metadata: Iterable[tuple[str, str | bytes]] | None) -> LoadReport
         if key != LOAD_KEY:
             continue
         try:
-            queued_s, item_s = (float(x) for x in (value.decode() if isinstance(value, bytes) else value).split())
+            queued_s, item_s = (
+                float(x) for x in (value.decode() if isinstance(value, bytes) else value).split()
+            )
         except (ValueError, UnicodeDecodeError):
             return None
         if not all(math.isfinite(x) and x >= 0 for x in (queued_s, item_s)):

@@ -16,7 +16,7 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -144,7 +144,9 @@ class Batcher:
         self._queued_patches = 0
         self._running_patches = 0  # of the forward running now
         self._meter = _WorkMeter(config.saturation_window_s)
-        self.cancelled_items = 0  # items that left the queue cancelled, without a forward
+        # Items whose call was cancelled (or whose deadline passed) before their forward, by where they
+        # were: "queue" (they left it) or "preprocess" (they never reached it; the pipeline tells).
+        self.cancelled_items: Counter[str] = Counter()
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="encoder-forward", daemon=True)
@@ -190,6 +192,11 @@ class Batcher:
         with self._cond:
             queued_s = (self._queued_patches + self._running_patches) * self._meter.seconds_per_patch
             return LoadReport(queued_s, self._meter.item_s)
+
+    def item_cancelled_before_queue(self) -> None:
+        """Counts an item whose call went away while it was read or preprocessed."""
+        with self._cond:
+            self.cancelled_items["preprocess"] += 1
 
     def check_room(self, num_items: int) -> None:
         """Refuses a call at once when its items cannot fit the queue, before any of them is decoded."""
@@ -245,7 +252,7 @@ class Batcher:
             except ValueError:  # already taken by the worker
                 return
             self._queued_patches -= pending.prepared.num_patches
-            self.cancelled_items += 1
+            self.cancelled_items["queue"] += 1
 
     def _take_batch(self) -> list[_Pending]:
         cfg = self.config
@@ -265,7 +272,7 @@ class Batcher:
                     self._queue.popleft()
                     self._queued_patches -= head.prepared.num_patches
                     if head.future.done():  # cancelled after its withdrawal was scheduled
-                        self.cancelled_items += 1
+                        self.cancelled_items["queue"] += 1
                         continue
                     batch.append(head)
                     patches += head.prepared.num_patches

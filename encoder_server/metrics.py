@@ -163,11 +163,15 @@ class _LoadCollector(Collector):
         yield CounterMetricFamily(
             "encoder_demand_seconds", "Forward-seconds asked of the forward worker since start", value=batcher.demanded_s
         )
-        yield CounterMetricFamily(
+        cancelled = CounterMetricFamily(
             "encoder_items_cancelled",
-            "Items that left the forward queue without a forward: their call was cancelled or its deadline passed",
-            value=batcher.cancelled_items,
+            "Items dropped without a forward because their call was cancelled or its deadline passed, by where "
+            "they were: queue (they left it), preprocess (they never reached it)",
+            labels=["stage"],
         )
+        for stage in ("queue", "preprocess"):
+            cancelled.add_metric([stage], batcher.cancelled_items[stage])
+        yield cancelled
 
 
 class _ShmCollector(Collector):

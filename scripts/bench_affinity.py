@@ -185,7 +185,9 @@ class ModeRun:
         await self.rx.close()
 
 
-async def interleaved(runs: list[ModeRun], workload: list[list[int]], images: list[bytes], args, *, rate=None):
+async def interleaved(
+    runs: list[ModeRun], workload: list[list[int]], images: list[bytes], args, *, rate=None
+):
     """The workload in rounds of `args.round` requests, each round through every mode, order rotating;
     closed loop at `args.concurrency`, or open loop at `rate` requests per second."""
     numbered = list(enumerate(workload))
@@ -350,7 +352,11 @@ async def bench(args: argparse.Namespace) -> dict:
                 rate = None if rate_of is None else rate_of * capacity[workload_name]
                 saved, args.concurrency = args.concurrency, (1 if rate is None else args.concurrency)
                 try:
-                    report(await run_modes(fleets, pair, workload, images, args, f"{workload_name} {name}", rate=rate))
+                    report(
+                        await run_modes(
+                            fleets, pair, workload, images, args, f"{workload_name} {name}", rate=rate
+                        )
+                    )
                 finally:
                     args.concurrency = saved
         hot = hot_workload(args.hot_requests, args.seed + 3)
@@ -366,12 +372,19 @@ async def bench(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--encoders", type=int, default=4, help="encoder processes of the built-in model, per mode")
+    p.add_argument(
+        "--encoders", type=int, default=4, help="encoder processes of the built-in model, per mode"
+    )
     p.add_argument("--requests", type=int, default=2000, help="requests of the repeated-image workload")
     p.add_argument("--images", type=int, default=500, help="distinct images it draws from")
     p.add_argument("--zipf", type=float, default=1.1, help="popularity exponent")
     p.add_argument("--no-repeat-requests", type=int, default=500, help="requests without repeats (0: none)")
-    p.add_argument("--latency-requests", type=int, default=300, help="requests per workload and load of the latency phase")
+    p.add_argument(
+        "--latency-requests",
+        type=int,
+        default=300,
+        help="requests per workload and load of the latency phase",
+    )
     p.add_argument("--hot-requests", type=int, default=400, help="requests of the hot-image workload")
     p.add_argument("--membership-requests", type=int, default=600, help="requests of each membership run")
     p.add_argument("--slow-requests", type=int, default=400, help="requests of each slow-encoder phase")
@@ -380,12 +393,18 @@ def main() -> None:
     p.add_argument("--round", type=int, default=100, help="requests per mode in one round")
     p.add_argument("--balance", type=float, default=1.25, help="affinity's load bound, x the soonest finish")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-dir", default=None, help="where the built-in model goes (default: a temporary dir)")
+    p.add_argument(
+        "--model-dir", default=None, help="where the built-in model goes (default: a temporary dir)"
+    )
     args = p.parse_args()
     out = asyncio.run(bench(args))
     out["results"] = [asdict(r) for r in out["results"]]
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    print(json.dumps({"machine": machine, "date": time.strftime("%Y-%m-%d"), "args": vars(args), **out}, indent=1))
+    print(
+        json.dumps(
+            {"machine": machine, "date": time.strftime("%Y-%m-%d"), "args": vars(args), **out}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":
