@@ -118,16 +118,23 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class ModeRun:
-    """One mode's receiver and what its requests measured so far."""
+    """One mode's receivers (one per fleet it takes turns on) and what its requests measured so far."""
 
-    def __init__(self, mode: str, urls: list[str], balance: float, **options):
+    def __init__(self, mode: str, fleets: list[list[str]], balance: float, **options):
         self.mode = mode
-        self.rx = EncoderReceiver(urls, seed=0, balance=balance, **{**MODES[mode], **options})
+        self.receivers = [
+            EncoderReceiver(urls, seed=0, balance=balance, **{**MODES[mode], **options}) for urls in fleets
+        ]
+        self.rx = self.receivers[0]
         self.latencies: list[float] = []
         self.wall = 0.0
         self.forwards = self.hits_at_encoders = self.receiver_hits = 0
         self.served: defaultdict[int, set[str]] = defaultdict(set)  # image -> encoders that served it
         self.forwards_by_encoder: Counter[str] = Counter()
+
+    def turn(self, number: int) -> None:
+        """Uses fleet `number` (modulo the fleets it has) for the next requests."""
+        self.rx = self.receivers[number % len(self.receivers)]
 
     async def request(self, number: int, picks: list[int], images: list[bytes]) -> None:
         started = time.perf_counter()
@@ -182,17 +189,21 @@ class ModeRun:
         )
 
     async def close(self) -> None:
-        await self.rx.close()
+        for rx in self.receivers:
+            await rx.close()
 
 
 async def interleaved(
     runs: list[ModeRun], workload: list[list[int]], images: list[bytes], args, *, rate=None
 ):
     """The workload in rounds of `args.round` requests, each round through every mode, order rotating;
-    closed loop at `args.concurrency`, or open loop at `rate` requests per second."""
+    closed loop at `args.concurrency`, or open loop at `rate` requests per second. Modes with several
+    fleets take them in turn, each mode on another fleet in each round."""
     numbered = list(enumerate(workload))
     for number, start in enumerate(range(0, len(numbered), args.round)):
         chunk = numbered[start : start + args.round]
+        for position, run in enumerate(runs):
+            run.turn(number + position)
         for run in runs[number % len(runs) :] + runs[: number % len(runs)]:
             if rate is None:
                 await run.closed_loop(chunk, images, args.concurrency)
@@ -211,11 +222,20 @@ class Images:
         return make_images(count, self.next_seed)
 
 
-async def run_modes(fleets, modes, workload, images, args, name, *, rate=None) -> list[ModeResult]:
-    runs = [ModeRun(mode, [p.url for p in fleets[mode]], args.balance) for mode in modes]
+async def run_modes(
+    fleets, modes, workload, images, args, name, *, rate=None, swap=False
+) -> list[ModeResult]:
+    """`modes` on the workload, each on its own fleet; with `swap` (images that never repeat, so no cache
+    to keep apart) every mode takes every fleet in turn, so no mode keeps a slower set of processes."""
+    urls = [[p.url for p in fleets[mode]] for mode in modes]
+    runs = [
+        ModeRun(mode, urls[i:] + urls[:i] if swap else [urls[i]], args.balance)
+        for i, mode in enumerate(modes)
+    ]
     try:
         for run in runs:  # the first forward of each process is not what is measured
-            await run.rx.encode("warm", [{"data": image_bytes(56, 56, seed=10**9 + hash(name) % 1000)}])
+            for rx in run.receivers:
+                await rx.encode("warm", [{"data": image_bytes(56, 56, seed=10**9 + hash(name) % 1000)}])
         await interleaved(runs, workload, images, args, rate=rate)
         return [run.result(name, workload) for run in runs]
     finally:
@@ -238,7 +258,7 @@ async def membership(fleet, extra, images_for, args) -> dict:
     dns = Dns([p.port for p in fleet] + [extra.port])
     workload = zipf_workload(args.membership_requests, args.images, args.zipf, args.seed + 7)
     images = images_for(args.images)
-    run = ModeRun("affinity", ["dns:///encoders.bench:50051"], args.balance, resolver=dns, refresh_s=0.0)
+    run = ModeRun("affinity", [["dns:///encoders.bench:50051"]], args.balance, resolver=dns, refresh_s=0.0)
     try:
         await run.closed_loop(list(enumerate(workload)), images, args.concurrency)
         before = {image: set(urls) for image, urls in run.served.items()}
@@ -286,7 +306,7 @@ async def slow_encoder(fleet, images_for, args) -> dict:
     """Two receivers share 4 encoders (images never repeat); then one encoder is made slow."""
     urls = [p.url for p in fleet]
     slow = fleet[0]
-    runs = [ModeRun("affinity", urls, args.balance) for _ in range(2)]
+    runs = [ModeRun("affinity", [urls], args.balance) for _ in range(2)]
     shares = {}
     try:
         for phase in ("before", "slowed"):
@@ -338,18 +358,22 @@ async def bench(args: argparse.Namespace) -> dict:
         capacity = {"zipf": results[0].throughput_rps}
         if args.no_repeat_requests:
             fresh = no_repeat_workload(args.no_repeat_requests, args.seed)
-            report(await run_modes(fleets, pair, fresh, images_for(sum(map(len, fresh))), args, "no-repeat"))
+            report(
+                await run_modes(
+                    fleets, pair, fresh, images_for(sum(map(len, fresh))), args, "no-repeat", swap=True
+                )
+            )
             capacity["no-repeat"] = results[-2].throughput_rps
         out["capacity_rps"] = capacity  # random placement's, closed loop
         for name, rate_of in (("light", None), ("80%", 0.8)):
-            for workload_name in capacity:
+            for workload_name, workload_capacity in capacity.items():
                 workload = (
                     zipf_workload(args.latency_requests, args.images, args.zipf, args.seed + 1)
                     if workload_name == "zipf"
                     else no_repeat_workload(args.latency_requests, args.seed + 1)
                 )
                 images = images_for(args.images if workload_name == "zipf" else sum(map(len, workload)))
-                rate = None if rate_of is None else rate_of * capacity[workload_name]
+                rate = None if rate_of is None else rate_of * workload_capacity
                 saved, args.concurrency = args.concurrency, (1 if rate is None else args.concurrency)
                 try:
                     report(
