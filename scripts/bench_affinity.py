@@ -202,8 +202,8 @@ async def interleaved(
     numbered = list(enumerate(workload))
     for number, start in enumerate(range(0, len(numbered), args.round)):
         chunk = numbered[start : start + args.round]
-        for position, run in enumerate(runs):
-            run.turn(number + position)
+        for run in runs:  # their fleet lists are rotated against each other: never two on one fleet
+            run.turn(number)
         for run in runs[number % len(runs) :] + runs[: number % len(runs)]:
             if rate is None:
                 await run.closed_loop(chunk, images, args.concurrency)
