@@ -4,6 +4,9 @@ The worker takes whatever is waiting (up to a number of images and of patches pe
 optional short wait for more), runs one forward for all of it and resolves each item's future on
 its caller's event loop. An item whose future is cancelled (its caller went away or its deadline
 passed) leaves the queue at once and never costs a forward.
+
+It also measures its own load (`BatcherLoad`), which the receivers place by and the autoscaler reads:
+the seconds of forward work queued, the seconds one item costs, and how far demand is over capacity.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from encoder_common.env_flags import flag
 from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
+from encoder_common.load_report import LoadReport
 
 if TYPE_CHECKING:  # the model stack is not imported for BatchingConfig (the CLI's --help builds on it)
     from .models import ImageEmbedding, PreparedImage, VisionEncoder
@@ -42,6 +46,9 @@ class BatchingConfig:
     max_queue_patches: int = field(
         default=1 << 20, metadata=flag("queued patches beyond which calls get RESOURCE_EXHAUSTED")
     )
+    saturation_window_s: float = field(
+        default=30.0, metadata=flag("seconds of demand the saturation gauge averages over")
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_batch_images", "max_batch_patches", "max_queue_items", "max_queue_patches"):
@@ -49,6 +56,24 @@ class BatchingConfig:
                 raise ValueError(f"BatchingConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.max_wait_ms < 0:
             raise ValueError(f"BatchingConfig.max_wait_ms must not be negative, got {self.max_wait_ms}")
+        if self.saturation_window_s <= 0:
+            raise ValueError(f"BatchingConfig.saturation_window_s must be positive, got {self.saturation_window_s}")
+
+
+@dataclass(frozen=True)
+class BatcherLoad:
+    """What the forward worker has to do, as it measures it.
+
+    `queued_work_s`: seconds of forwards for the items queued and those in the running forward (their
+    patches x the measured seconds per patch). `item_s`: what one more item costs (the mean item's
+    patches x seconds per patch). `saturation`: forward-seconds asked of the worker per second over the
+    last window (items queued, and items refused as overloaded at `item_s` each), over the one second
+    per second one worker has: 1.0 keeps it busy all the time, above 1.0 work comes faster than it goes.
+    """
+
+    queued_work_s: float
+    item_s: float
+    saturation: float
 
 
 @dataclass(frozen=True)
@@ -59,6 +84,47 @@ class TimedEmbedding:
     queue_ms: float
     forward_ms: float
     batch_size: int
+
+
+# Weight of the newest forward in the moving averages of seconds per patch and patches per item.
+_EWMA_WEIGHT = 0.2
+
+
+class _WorkMeter:
+    """Seconds per patch and patches per item, as moving averages of the forwards run; the forward-seconds
+    demanded, per window. Not locked itself: the batcher calls it under its lock."""
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self.seconds_per_patch = 0.0  # 0 until the first forward: no cost claimed before it is measured
+        self.patches_per_item = 0.0
+        self.demanded_s = 0.0  # since start: the counter behind the saturation gauge
+        self._demand: deque[tuple[float, float]] = deque()  # (time.monotonic(), forward-seconds asked)
+
+    @property
+    def item_s(self) -> float:
+        return self.seconds_per_patch * self.patches_per_item
+
+    def forward(self, seconds: float, items: int, patches: int) -> None:
+        if patches <= 0 or items <= 0:
+            return
+        for name, value in (("seconds_per_patch", seconds / patches), ("patches_per_item", patches / items)):
+            old = getattr(self, name)
+            setattr(self, name, value if old == 0.0 else old + _EWMA_WEIGHT * (value - old))
+
+    def demanded(self, seconds: float) -> None:
+        now = time.monotonic()
+        self.demanded_s += seconds
+        self._demand.append((now, seconds))
+        self._forget(now)
+
+    def saturation(self) -> float:
+        self._forget(time.monotonic())
+        return sum(seconds for _, seconds in self._demand) / self.window_s
+
+    def _forget(self, now: float) -> None:
+        while self._demand and self._demand[0][0] < now - self.window_s:
+            self._demand.popleft()
 
 
 @dataclass(eq=False)  # compared by identity: the queue removes exactly this entry
@@ -76,6 +142,11 @@ class Batcher:
         self.config = config
         self._queue: deque[_Pending] = deque()
         self._queued_patches = 0
+        self._running_patches = 0  # of the forward running now
+        self._meter = _WorkMeter(config.saturation_window_s)
+        # Items whose call was cancelled (or whose deadline passed) before their forward, by where they
+        # were: "queue" (they left it) or "preprocess" (they never reached it; the pipeline tells).
+        self.cancelled_items: Counter[str] = Counter()
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="encoder-forward", daemon=True)
@@ -103,11 +174,36 @@ class Batcher:
     def queued_patches(self) -> int:
         return self._queued_patches
 
+    @property
+    def demanded_s(self) -> float:
+        """Forward-seconds asked of this worker since start (items queued, and refused at the mean cost)."""
+        with self._cond:
+            return self._meter.demanded_s
+
+    def load(self) -> BatcherLoad:
+        with self._cond:
+            meter = self._meter
+            queued_s = (self._queued_patches + self._running_patches) * meter.seconds_per_patch
+            return BatcherLoad(queued_s, meter.item_s, meter.saturation())
+
+    def load_report(self) -> LoadReport:
+        """What the receivers are told with every answer: the queued work and one item's cost (cheap:
+        no walk over the saturation window)."""
+        with self._cond:
+            queued_s = (self._queued_patches + self._running_patches) * self._meter.seconds_per_patch
+            return LoadReport(queued_s, self._meter.item_s)
+
+    def item_cancelled_before_queue(self) -> None:
+        """Counts an item whose call went away while it was read or preprocessed."""
+        with self._cond:
+            self.cancelled_items["preprocess"] += 1
+
     def check_room(self, num_items: int) -> None:
         """Refuses a call at once when its items cannot fit the queue, before any of them is decoded."""
         with self._cond:
             self._check_open()
             if len(self._queue) + num_items > self.config.max_queue_items:
+                self._meter.demanded(num_items * self._meter.item_s)
                 raise self._overloaded()
 
     def submit(self, items: Sequence[PreparedImage]) -> list[asyncio.Future]:
@@ -125,7 +221,9 @@ class Batcher:
             if len(self._queue) + len(items) > cfg.max_queue_items or (
                 self._queue and self._queued_patches + patches > cfg.max_queue_patches
             ):
+                self._meter.demanded(len(items) * self._meter.item_s)
                 raise self._overloaded()
+            self._meter.demanded(patches * self._meter.seconds_per_patch)
             pending = [_Pending(item, loop.create_future(), now) for item in items]
             self._queue.extend(pending)
             self._queued_patches += patches
@@ -154,6 +252,7 @@ class Batcher:
             except ValueError:  # already taken by the worker
                 return
             self._queued_patches -= pending.prepared.num_patches
+            self.cancelled_items["queue"] += 1
 
     def _take_batch(self) -> list[_Pending]:
         cfg = self.config
@@ -173,6 +272,7 @@ class Batcher:
                     self._queue.popleft()
                     self._queued_patches -= head.prepared.num_patches
                     if head.future.done():  # cancelled after its withdrawal was scheduled
+                        self.cancelled_items["queue"] += 1
                         continue
                     batch.append(head)
                     patches += head.prepared.num_patches
@@ -181,6 +281,7 @@ class Batcher:
                 )
                 remaining = deadline - time.perf_counter()
                 if full or remaining <= 0 or self._stopping:
+                    self._running_patches = patches
                     return batch
                 self._cond.wait(remaining)
 
@@ -211,7 +312,12 @@ class Batcher:
             for p in batch:
                 _resolve(p.future, exception=UnavailableError("the encoder's forward worker died"))
             raise
-        forward_ms = (time.perf_counter() - start) * 1000
+        finally:
+            seconds = time.perf_counter() - start
+            with self._cond:
+                self._meter.forward(seconds, len(batch), self._running_patches)
+                self._running_patches = 0
+        forward_ms = seconds * 1000
         for p, output in zip(batch, outputs):
             queue_ms = (start - p.enqueued) * 1000
             _resolve(p.future, result=TimedEmbedding(output, queue_ms, forward_ms, len(batch)))

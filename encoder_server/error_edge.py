@@ -1,7 +1,8 @@
 """Where a servicer's call meets gRPC statuses: the raw request is parsed, the call made, and a domain
 error answered with its status from the one table (encoder_common.errors); anything else is logged and
 answered with a bare INTERNAL. Both services on the port (EncoderService, SGLang's SglangEncoder) wrap
-their calls in it."""
+their calls in it. Every answer carries the encoder's load in its trailing metadata
+(encoder_common.load_report), which the receivers place items by."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ def error_edge(method: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[
     async def wrapper(self, raw: bytes, context: grpc.aio.ServicerContext) -> Result:
         request = None
         try:
-            request = getattr(self, f"parse_{method.__name__}")(raw)
-            return await method(self, request, context)
+            try:
+                request = getattr(self, f"parse_{method.__name__}")(raw)
+                return await method(self, request, context)
+            finally:  # every answer, refusals included, carries the encoder's load (receiver placement)
+                context.set_trailing_metadata(self.pipeline.batcher.load_report().metadata())
         except EncoderError as exc:
             await context.abort(status_for(exc), str(exc))
         except grpc.aio.AbortError:

@@ -24,6 +24,7 @@ from .models.base import ImageEmbedding, PreparedImage, VisionEncoder
 from .profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
 
 if TYPE_CHECKING:
+    from .batcher import Batcher
     from .shm import ShmSegments
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class ServerMetrics:
       metrics are absent (a server without a cache does not claim 0 hits).
     - `watch_shm(segments)`: the shared-memory pool whose counts are read at each scrape; absent
       likewise until it is called.
+    - `watch_load(batcher)`: the forward worker whose load (queued work, saturation) and cancelled items
+      are read at each scrape.
     """
 
     def __init__(self) -> None:
@@ -84,8 +87,10 @@ class ServerMetrics:
         self.items_ok = self.items.labels("ok", "OK")
         self._cache_stats: Callable[[], CacheStats] | None = None
         self._shm: ShmSegments | None = None
+        self._batcher: Batcher | None = None
         r.register(_CacheCollector(self))
         r.register(_ShmCollector(self))
+        r.register(_LoadCollector(self))
         self._http: WSGIServer | None = None
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
@@ -96,6 +101,9 @@ class ServerMetrics:
 
     def watch_shm(self, segments: ShmSegments) -> None:
         self._shm = segments
+
+    def watch_load(self, batcher: Batcher) -> None:
+        self._batcher = batcher
 
     def record(self, request_id: str, num_items: int, context: grpc.aio.ServicerContext | None = None) -> RequestRecord:
         return RequestRecord(self, request_id, num_items, context)
@@ -127,6 +135,43 @@ class _CacheCollector(Collector):
         yield CounterMetricFamily(
             "encoder_cache_evictions", "Items dropped from the cache to make room", value=stats.evictions
         )
+
+
+class _LoadCollector(Collector):
+    """The forward worker's load and the items it dropped, read at each scrape (docs/deployment.md#autoscaling)."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator:
+        batcher = self.metrics._batcher
+        if batcher is None:
+            return
+        load = batcher.load()
+        yield GaugeMetricFamily(
+            "encoder_queued_work_seconds",
+            "Seconds of forwards queued or running: their patches x the measured seconds per patch",
+            value=load.queued_work_s,
+        )
+        yield GaugeMetricFamily("encoder_item_seconds", "Forward seconds one more item costs (the mean item)", value=load.item_s)
+        yield GaugeMetricFamily(
+            "encoder_saturation",
+            "Forward-seconds asked per second over the saturation window (queued, and refused as overloaded): "
+            "1 keeps the forward worker always busy, above 1 demand is over capacity",
+            value=load.saturation,
+        )
+        yield CounterMetricFamily(
+            "encoder_demand_seconds", "Forward-seconds asked of the forward worker since start", value=batcher.demanded_s
+        )
+        cancelled = CounterMetricFamily(
+            "encoder_items_cancelled",
+            "Items dropped without a forward because their call was cancelled or its deadline passed, by where "
+            "they were: queue (they left it), preprocess (they never reached it)",
+            labels=["stage"],
+        )
+        for stage in ("queue", "preprocess"):
+            cancelled.add_metric([stage], batcher.cancelled_items[stage])
+        yield cancelled
 
 
 class _ShmCollector(Collector):

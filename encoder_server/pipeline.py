@@ -141,7 +141,11 @@ class ItemPipeline:
         """
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
+        try:
+            prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
+        except asyncio.CancelledError:  # its call went away before the item reached the queue
+            self.batcher.item_cancelled_before_queue()
+            raise
         preprocess_ms = (time.perf_counter() - started) * 1000
         spec = self.encoder.spec
         payload_bytes = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size * spec.dtype.itemsize

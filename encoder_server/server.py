@@ -42,6 +42,20 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
 REQUEST_SIZE_MARGIN = 1 << 20
 
 
+class LoadReportingHealth(health.aio.HealthServicer):
+    """grpc.health.v1 whose Check answers also carry the encoder's load in their trailing metadata
+    (encoder_common.load_report): a receiver's probe learns it without sending work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batcher: Batcher | None = None  # set once the forward worker exists
+
+    async def Check(self, request, context):
+        if self.batcher is not None:
+            context.set_trailing_metadata(self.batcher.load_report().metadata())
+        return await super().Check(request, context)
+
+
 class EncoderServer:
     """One encoder server: `await start()` loads and warms the model and binds; `await stop()` drains."""
 
@@ -51,7 +65,7 @@ class EncoderServer:
         self.port: int | None = None
         self.metrics = ServerMetrics()
         self.metrics_port: int | None = None
-        self.health = health.aio.HealthServicer()
+        self.health = LoadReportingHealth()
         self.gate = DrainGate()
         self._server: grpc.aio.Server | None = None
         self._batcher: Batcher | None = None
@@ -102,6 +116,8 @@ class EncoderServer:
         loop = asyncio.get_running_loop()
         self._batcher = Batcher(MeteredEncoder(self.encoder, self.metrics), self.config.batching)
         self.metrics.watch_queue(lambda: self._batcher.queue_depth)
+        self.metrics.watch_load(self._batcher)
+        self.health.batcher = self._batcher
         self._batcher.start()
         if self.config.warmup:
             try:

@@ -1,17 +1,19 @@
-"""Content-affinity placement: each item goes to the encoder that ranks first for its content key under
-rendezvous (highest random weight) hashing, within a bounded load; pure functions, no I/O.
+"""Placement by content and load: each item goes to the encoder that ranks first for its content key
+under rendezvous (highest random weight) hashing, unless that encoder is over a load bound; pure
+functions, no I/O.
 
 Rendezvous hashing scores every (key, encoder) pair and ranks encoders by score, so when an encoder
-joins or leaves only the keys it ranks first for move. The balance bound caps what one encoder may
-take of a request's items at ceil(balance x mean); an item that does not fit spills to the next
-encoder of its own ranking, so a popular image still lands on the same few encoders.
+joins or leaves only the keys it ranks first for move. The load bound is on work, in seconds, as the
+encoders measure it (`receiver.load`): a new item passes over an encoder where it would finish later
+than `balance` x the soonest it could finish on any encoder, and goes to the next one of its own
+ranking within that bound. An item this receiver sent before goes back where it went: that encoder
+holds its embedding, which costs no forward.
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -40,38 +42,19 @@ def ranking(key: bytes, urls: Sequence[str]) -> list[int]:
     return sorted(range(len(urls)), key=lambda i: (-scores[i], urls[i]))
 
 
-def request_cap(num_items: int, num_encoders: int, balance: float) -> int:
-    """The most items of one request an encoder may take: ceil(balance x mean), at least one."""
-    return max(1, math.ceil(balance * num_items / num_encoders))
-
-
-@dataclass(slots=True)
-class _Placed:
-    urls: set[str]  # the encoders it was sent to
-    times: int = 0  # how often it was placed
-
-
 class PlacementMemory:
-    """The encoders each key was sent to lately, and how often it was placed (an LRU of keys): an item
-    that must spill goes to one that already encoded it, so the balance bound costs no forward where it
-    can be helped."""
+    """The encoders each key was sent to lately (an LRU of keys): an item sent again goes to one that
+    already encoded it, so a spill for load costs a forward only once."""
 
     def __init__(self, max_keys: int = DEFAULT_MEMORY_KEYS):
         self.max_keys = max_keys
-        self._placed: OrderedDict[bytes, _Placed] = OrderedDict()
+        self._placed: OrderedDict[bytes, set[str]] = OrderedDict()
 
     def holders(self, key: bytes) -> set[str]:
-        entry = self._placed.get(key)
-        return entry.urls if entry else set()
-
-    def times_placed(self, key: bytes) -> int:
-        entry = self._placed.get(key)
-        return entry.times if entry else 0
+        return self._placed.get(key, set())
 
     def sent(self, key: bytes, url: str) -> None:
-        entry = self._placed.setdefault(key, _Placed(set()))
-        entry.urls.add(url)
-        entry.times += 1
+        self._placed.setdefault(key, set()).add(url)
         self._placed.move_to_end(key)
         if len(self._placed) > self.max_keys:
             self._placed.popitem(last=False)
@@ -79,10 +62,12 @@ class PlacementMemory:
 
 @dataclass(frozen=True)
 class AffinityPlan:
-    """Where each item goes (a position in the encoder list, per item) and how many did not get their
-    first-ranked encoder because of the balance bound."""
+    """Where each item goes (a position in the encoder list, per item), the forward-seconds each new item
+    is expected to cost there (0 for an item sent there before), and how many items are not on their
+    first-ranked encoder."""
 
     encoders: list[int]
+    costs: list[float]
     spilled: int
 
 
@@ -91,48 +76,42 @@ def place(
     urls: Sequence[str],
     *,
     balance: float = DEFAULT_BALANCE,
-    in_flight: Mapping[str, int] | None = None,
+    queued_s: Sequence[float] | None = None,
+    item_s: float = 0.0,
     memory: PlacementMemory | None = None,
 ) -> AffinityPlan:
-    """Places items (by content key) on `urls`; each goes to the first encoder of its ranking with room.
+    """Places items (by content key) on `urls`, given each encoder's queued seconds of work (0 when
+    unknown) and the seconds one item costs (the fleet's mean; 0 when unknown: then every new item goes
+    to its first choice). One cost for all encoders: at rest they are alike, and a slow encoder shows
+    in its queued seconds, which it measures at its own speed.
 
-    Hard bound: no encoder takes more than `request_cap` of these items. Soft bound, across requests:
-    an encoder whose items in flight (`in_flight`, by URL) plus these would pass ceil(balance x the
-    fleet's mean) is passed over while another in the item's ranking has room under both bounds.
-    With a `memory`, items that already went to encoders with room are placed first, on the best
-    ranked of those: when two items rank the same encoder first, the one that loses it goes where it
-    was encoded before rather than forcing a new forward. Where neither was, the one placed more often
-    loses it: a popular image keeps meeting others on its encoder, and once it has a second holder it
-    absorbs those meetings, while a rarer one keeps a single copy. The memory learns this plan.
+    An item `memory` knows goes to the best ranked encoder it was sent to: a cache hit there. A new item
+    goes to the first encoder of its ranking where it would finish (queued seconds + its cost, counting
+    the items placed before it in this call) within `balance` x the soonest it could finish anywhere.
+    There is no cap on how many items of one request share an encoder. The memory learns this plan.
     """
     if not urls:
         raise ValueError("no encoders to place items on")
     if balance < 1.0:
         raise ValueError(f"balance must be at least 1.0, got {balance}")
-    busy = [(in_flight or {}).get(url, 0) for url in urls]
-    cap = request_cap(len(keys), len(urls), balance)
-    fleet_cap = math.ceil(balance * (len(keys) + sum(busy)) / len(urls))
-    taken = [0] * len(urls)
-    orders = [ranking(key, urls) for key in keys]
-    chosen: list[int | None] = [None] * len(keys)
-
-    def take(item: int, candidates: list[int]) -> None:
-        fits = [e for e in candidates if taken[e] < cap]
-        roomy = [e for e in fits if busy[e] + taken[e] < fleet_cap]
-        if fits:
-            chosen[item] = (roomy or fits)[0]
-            taken[chosen[item]] += 1
-
-    if memory is not None:
-        known = [[e for e in order if urls[e] in memory.holders(key)] for key, order in zip(keys, orders)]
-        choice = {i: (len(known[i]), memory.times_placed(keys[i])) for i in range(len(keys)) if known[i]}
-        for item in sorted(choice, key=choice.__getitem__):
-            take(item, known[item])  # fewest known encoders first: they have the least choice
-    for item in range(len(keys)):
-        if chosen[item] is None:
-            take(item, orders[item])  # never finds no room: cap x encoders >= items
-    if memory is not None:
-        for key, encoder in zip(keys, chosen):
+    work = list(queued_s) if queued_s is not None else [0.0] * len(urls)
+    chosen: list[int] = []
+    costs: list[float] = []
+    spilled = 0
+    for key in keys:
+        order = ranking(key, urls)
+        holders = memory.holders(key) if memory is not None else set()
+        held = [e for e in order if urls[e] in holders]
+        if held:
+            encoder, seconds = held[0], 0.0
+        else:
+            bound = balance * (min(work) + item_s) * (1 + 1e-9)  # the soonest one is always within it
+            encoder = next(e for e in order if work[e] + item_s <= bound)
+            seconds = item_s
+            work[encoder] += seconds
+        chosen.append(encoder)
+        costs.append(seconds)
+        spilled += encoder != order[0]
+        if memory is not None:  # at once: the same image twice in a request goes to one encoder
             memory.sent(key, urls[encoder])
-    spilled = sum(encoder != order[0] for encoder, order in zip(chosen, orders))
-    return AffinityPlan(chosen, spilled)
+    return AffinityPlan(chosen, costs, spilled)

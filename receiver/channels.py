@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from encoder_common.load_report import LoadReport, parse_load
 from protos import encoder_pb2 as pb
 from protos import wire
 
@@ -29,14 +31,23 @@ def grpc_target(url: str) -> str:
 
 @dataclass
 class EncoderEndpoint:
-    """One encoder server: its URL, channel, call metadata and the RPCs, Encode reading with protos.wire."""
+    """One encoder server: its URL, channel, call metadata and the RPCs, Encode reading with protos.wire;
+    `on_load(url, report)` hears the load report each answer carries in its trailing metadata."""
 
     url: str
     channel: grpc.aio.Channel
     metadata: tuple[tuple[str, str], ...] = ()
+    on_load: Callable[[str, LoadReport], None] | None = None
 
     @classmethod
-    def connect(cls, url: str, *, tls: ClientTls | None = None, auth_token: str | None = None) -> EncoderEndpoint:
+    def connect(
+        cls,
+        url: str,
+        *,
+        tls: ClientTls | None = None,
+        auth_token: str | None = None,
+        on_load: Callable[[str, LoadReport], None] | None = None,
+    ) -> EncoderEndpoint:
         """A channel to `url`: TLS for `grpcs://` (with `tls`, or the system's CAs), plaintext for `grpc://`.
 
         `auth_token` goes out as `authorization: Bearer <token>` on every call.
@@ -47,7 +58,7 @@ class EncoderEndpoint:
         else:
             channel = grpc.aio.insecure_channel(target)
         metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        return cls(url, channel, metadata)
+        return cls(url, channel, metadata, on_load)
 
     def __post_init__(self) -> None:
         self.encode = self.channel.unary_stream(
@@ -73,13 +84,21 @@ class EncoderEndpoint:
 
     async def is_serving(self, timeout: float) -> bool:
         """One grpc.health.v1 probe of the encoder service: True only for a SERVING answer in time."""
+        call = self.health_check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout, metadata=self.metadata
+        )
         try:
-            reply = await self.health_check(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout, metadata=self.metadata
-            )
+            reply = await call
         except grpc.aio.AioRpcError:
             return False
+        self.heard(await call.trailing_metadata())
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def heard(self, trailing_metadata) -> None:
+        """Passes on the load report in an answer's trailing metadata, when it has one."""
+        report = parse_load(trailing_metadata)
+        if report is not None and self.on_load is not None:
+            self.on_load(self.url, report)
 
     async def close(self) -> None:
         await self.channel.close()

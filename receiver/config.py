@@ -76,7 +76,11 @@ class ReceiverConfig:
         ),
     )
     balance: float = field(
-        default=DEFAULT_BALANCE, metadata=flag("with --placement affinity: the load bound (receiver.affinity)")
+        default=DEFAULT_BALANCE,
+        metadata=flag(
+            "with --placement affinity: an item passes over its first-ranked encoder only where it would finish "
+            "later than this times the soonest it could finish on any encoder"
+        ),
     )
     cache_bytes: int = field(
         default=0,

@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import logging
 import random
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ from .health import HealthTracker
 from .item_cache import ItemCache
 from .metrics import ReceiverMetrics
 from .affinity import PlacementMemory, content_key
+from .load import FleetLoad
 from .placement import Affinity, RequestPlacement
 from .result import ItemResult
 from .shard_call import encode_shard
@@ -46,8 +46,8 @@ class Fleet:
     rng: random.Random  # the random sharding's
     jitter: random.Random  # back-off jitter
     placement: str = "random"  # or "affinity" (receiver.affinity)
-    balance: float = DEFAULT_BALANCE  # affinity's bound on one encoder's share, x the mean
-    in_flight: Counter[str] = field(default_factory=Counter)  # items sent and not yet settled, by encoder URL
+    balance: float = DEFAULT_BALANCE  # affinity's load bound: x the soonest an item could finish
+    load: FleetLoad = field(default_factory=FleetLoad)  # the encoders' reported load and what was sent since
     memory: PlacementMemory = field(default_factory=PlacementMemory)  # where affinity sent each key lately
 
     @classmethod
@@ -62,14 +62,17 @@ class Fleet:
     ) -> Fleet:
         """The fleet behind `urls`; channels open on first use, one per encoder."""
         discovery = EncoderDiscovery(urls, resolver=resolver, refresh_s=config.refresh_s, metrics=metrics)
+        load = FleetLoad()
         pool = EndpointPool(
             discovery,
             close_grace_s=config.timeout,
-            connect=lambda url: EncoderEndpoint.connect(url, tls=config.tls, auth_token=config.auth_token),
+            connect=lambda url: EncoderEndpoint.connect(
+                url, tls=config.tls, auth_token=config.auth_token, on_load=load.report
+            ),
         )
         health = HealthTracker(config.failover)
         rngs = {"rng": random.Random(config.seed), "jitter": random.Random()}
-        settings = {"placement": config.placement, "balance": config.balance}
+        settings = {"placement": config.placement, "balance": config.balance, "load": load}
         return cls(pool, discovery, health, config.failover, metrics, shm, **rngs, **settings)
 
     def shard_failed(self, error: ShardError) -> None:
@@ -130,7 +133,7 @@ async def encode_with_failover(
     by_content = None
     if fleet.placement == "affinity":
         keys = keys if keys is not None else {index: content_key(data) for index, data in sources.items()}
-        by_content = Affinity(keys, fleet.balance, fleet.in_flight, fleet.memory)
+        by_content = Affinity(keys, fleet.balance, fleet.load, fleet.memory)
     placement = RequestPlacement(
         request_id, sources, deadline, fleet.policy,
         num_items_assigned=job.num_items_assigned, jitter=fleet.jitter, affinity=by_content,
@@ -145,14 +148,14 @@ async def encode_with_failover(
 
     async def shard(encoder: EncoderEndpoint, indices: list[int]) -> ShardError | None:
         items = [(index, sources[index]) for index in indices]
-        fleet.in_flight[encoder.url] += len(items)
+        sent = fleet.load.sending(encoder.url, sum(placement.costs.get(index, 0.0) for index in indices))
         try:
             return await encode_shard(
                 encoder, request_id, items,
                 deadline=deadline, policy=fleet.policy, arrived=arrived, shm=fleet.shm, lease=lease,
             )  # fmt: skip
         finally:
-            fleet.in_flight[encoder.url] -= len(items)
+            fleet.load.settled(encoder.url, sent)
 
     def settle(encoder: EncoderEndpoint, error: ShardError | None) -> None:
         """A shard ended: its encoder is healthy, or its items go elsewhere or wait out a back-off."""

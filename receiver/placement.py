@@ -26,6 +26,7 @@ from . import affinity
 from .errors import EncodeFailedError, ItemAttempt, ShardError
 from .config import FailoverPolicy
 from .health import backoff_s
+from .load import FleetLoad
 from .result import ItemResult
 from .sharding import plan_shards
 
@@ -39,12 +40,12 @@ Encoder = TypeVar("Encoder", bound=HasUrl)
 
 @dataclass(frozen=True)
 class Affinity:
-    """Content-affinity placement for one request (see `receiver.affinity`): each item's content key,
-    the balance factor, and the receiver's items in flight per encoder URL (shared, read at each plan)."""
+    """Placement by content and load for one request (see `receiver.affinity`): each item's content key,
+    the balance factor, the encoders' load (shared, read at each plan) and where keys went before."""
 
     keys: Mapping[int, bytes]
     balance: float
-    in_flight: Mapping[str, int]
+    load: FleetLoad
     memory: affinity.PlacementMemory | None = None
 
 
@@ -94,9 +95,10 @@ class RequestPlacement:
         self._clock = clock
         self._jitter = jitter or random.Random()
         self.affinity = affinity
-        # Items placed: "affinity" (on their first-ranked encoder), "spilled" (the next one, for the
-        # balance bound), "re_placed" (again, after their encoder failed).
+        # Items placed: "affinity" (on their first-ranked encoder), "spilled" (another, for the load
+        # bound, now or when first sent), "re_placed" (again, after their encoder failed).
         self.placed: Counter[str] = Counter()
+        self.costs: dict[int, float] = {}  # under affinity: each item's expected forward-seconds where it went
 
     def time_left(self) -> float:
         return max(0.0, self.deadline - self._clock())
@@ -134,15 +136,17 @@ class RequestPlacement:
 
     def _plan_by_affinity(self, encoders: Sequence[Encoder], pending: list[int]) -> list[tuple[Encoder, list[int]]]:
         spec = self.affinity
+        urls = [e.url for e in encoders]
         plan = affinity.place(
-            [spec.keys[i] for i in pending], [e.url for e in encoders],
-            balance=spec.balance, in_flight=spec.in_flight, memory=spec.memory,
+            [spec.keys[i] for i in pending], urls,
+            balance=spec.balance, queued_s=spec.load.queued(urls), item_s=spec.load.item_s(), memory=spec.memory,
         )  # fmt: skip
         self.placed["affinity"] += len(pending) - plan.spilled
         self.placed["spilled"] += plan.spilled
         shards: dict[int, list[int]] = {}
-        for item, encoder in zip(pending, plan.encoders):
+        for item, encoder, cost in zip(pending, plan.encoders, plan.costs):
             shards.setdefault(encoder, []).append(item)
+            self.costs[item] = cost
         return [(encoders[encoder], items) for encoder, items in shards.items()]
 
     def item_arrived(self, result: ItemResult) -> None:

@@ -52,6 +52,7 @@ async def read_call(
             if done is not None and arrived is not None:
                 arrived(done)
     except grpc.aio.AioRpcError as exc:
+        endpoint.heard(exc.trailing_metadata())  # a refusal says how loaded the encoder is, too
         if watch.stalled:
             return CallFailure(grpc.StatusCode.UNAVAILABLE, watch.reason)
         return CallFailure(exc.code(), exc.details() or "")
@@ -61,9 +62,11 @@ async def read_call(
     except asyncio.CancelledError:
         if watch.stalled:  # the watch cancelled the call; nobody cancelled this task
             return CallFailure(grpc.StatusCode.UNAVAILABLE, watch.reason)
+        call.cancel()  # the request was cancelled or gave up: the encoder drops the call's queued items
         raise
     finally:
         watch.stop()
+    endpoint.heard(await call.trailing_metadata())
     return None
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command: installs what the tests need into .venv, the engines into .venv-engines and SGLang's
-# whole server into .venv-sglang, then runs the suite, engine tests included. Extra arguments go to pytest
+# The test command: installs what the tests need into .venv, the engines into .venv-engines, SGLang's
+# whole server into .venv-sglang and Debian's prometheus (the autoscaling tests), then runs the suite,
+# engine tests included. Extra arguments go to pytest
 # (e.g. scripts/test.sh -k sharding; a quick local run skips the engine tests with
 # scripts/test.sh -m "not engine").
 #
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh
 ./scripts/setup_engines.sh
 ./scripts/setup_sglang.sh
+./scripts/setup_prometheus.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi

@@ -1,5 +1,6 @@
-"""Affinity placement without processes: rendezvous ranking, the balance bound, spill order, minimal
-movement when an encoder leaves or joins (hypothesis property tests), and re-placement after a failure."""
+"""Placement by content and load without processes: rendezvous ranking, the load bound, items sent before
+going back to their holder, minimal movement when an encoder leaves or joins (hypothesis property
+tests), the receiver's view of the encoders' load, and re-placement after a failure."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from receiver import FailoverPolicy, ShardError
-from receiver.affinity import PlacementMemory, content_key, place, ranking, request_cap
+from encoder_common.load_report import LoadReport, parse_load
+from receiver.affinity import PlacementMemory, content_key, place, ranking
+from receiver.load import FleetLoad
 from receiver.placement import Affinity, RequestPlacement
 
 urls_strategy = st.lists(
@@ -29,32 +32,50 @@ def keys_of(n: int, seed: int = 0) -> list[bytes]:
     return [content_key(rng.randbytes(64)) for _ in range(n)]
 
 
-@given(keys_strategy, urls_strategy, balance_strategy, st.data())
-@settings(max_examples=150, deadline=None)
-def test_no_encoder_takes_more_than_ceil_balance_times_the_mean_of_a_request(keys, urls, balance, data):
-    in_flight = {url: data.draw(st.integers(0, 50)) for url in urls}
-    memory = PlacementMemory()
-    for key in keys:  # where some keys went before
-        for url in data.draw(st.lists(st.sampled_from(urls), max_size=2)):
-            memory.sent(key, url)
-    plan = place(keys, urls, balance=balance, in_flight=in_flight, memory=memory)
-    counts = Counter(plan.encoders)
-    assert len(plan.encoders) == len(keys) and set(counts) <= set(range(len(urls)))
-    assert max(counts.values()) <= request_cap(len(keys), len(urls), balance)
+loads_strategy = st.lists(st.floats(0.0, 5.0), min_size=8, max_size=8)
+cost_strategy = st.floats(0.001, 0.5)
 
 
-@given(keys_strategy, urls_strategy, balance_strategy)
+@given(keys_strategy, urls_strategy, balance_strategy, loads_strategy, cost_strategy)
 @settings(max_examples=150, deadline=None)
-def test_an_item_goes_to_the_first_encoder_of_its_own_ranking_that_has_room(keys, urls, balance):
-    plan = place(keys, urls, balance=balance)
-    cap = request_cap(len(keys), len(urls), balance)
-    taken = Counter()
-    for key, encoder in zip(keys, plan.encoders):
+def test_a_new_item_goes_to_the_first_encoder_of_its_ranking_within_the_load_bound(keys, urls, balance, loads, cost):
+    queued = loads[: len(urls)]
+    plan = place(keys, urls, balance=balance, queued_s=queued, item_s=cost)
+    work = list(queued)
+    for key, encoder, seconds in zip(keys, plan.encoders, plan.costs):
+        bound = balance * (min(work) + cost)
         order = ranking(key, urls)
         passed_over = order[: order.index(encoder)]
-        assert all(taken[e] == cap for e in passed_over)  # each one ranked above it was full
-        taken[encoder] += 1
+        assert work[encoder] + cost <= bound * (1 + 1e-6)
+        assert all(work[e] + cost > bound for e in passed_over)  # each one ranked above was over it
+        assert seconds == cost
+        work[encoder] += seconds
     assert plan.spilled == sum(encoder != ranking(key, urls)[0] for key, encoder in zip(keys, plan.encoders))
+
+
+@given(keys_strategy, urls_strategy)
+@settings(max_examples=100, deadline=None)
+def test_with_no_load_known_every_item_of_a_request_goes_to_its_first_choice_however_many_share_it(keys, urls):
+    plan = place(keys, urls)
+    assert plan.encoders == [ranking(key, urls)[0] for key in keys] and plan.spilled == 0
+
+
+@given(keys_strategy, urls_strategy, loads_strategy, cost_strategy, st.data())
+@settings(max_examples=100, deadline=None)
+def test_an_item_sent_before_goes_to_its_best_ranked_holder_whatever_the_load(keys, urls, loads, cost, data):
+    memory = PlacementMemory()
+    for key in keys:
+        for url in data.draw(st.lists(st.sampled_from(urls), max_size=2)):
+            memory.sent(key, url)
+    known = {key: set(memory.holders(key)) for key in keys}
+    plan = place(keys, urls, queued_s=loads[: len(urls)], item_s=cost, memory=memory)
+    seen: dict[bytes, int] = {}
+    for key, encoder, seconds in zip(keys, plan.encoders, plan.costs):
+        if known[key]:
+            assert encoder == next(e for e in ranking(key, urls) if urls[e] in known[key]) and seconds == 0.0
+        if key in seen:  # the same image twice in one request: one encoder
+            assert encoder == seen[key]
+        seen.setdefault(key, encoder)
 
 
 @given(distinct_keys, urls_strategy, st.data())
@@ -91,46 +112,71 @@ def test_the_removed_encoders_keys_spread_over_the_other_four():
     assert min(moved.values()) > 0.15 * sum(moved.values())  # about a quarter each
 
 
-def test_in_flight_items_steer_a_request_away_from_a_busy_encoder_within_its_ranking():
-    urls = ["grpc://a:1", "grpc://b:1", "grpc://c:1"]
-    keys = keys_of(30, seed=1)
-    idle = place(keys, urls)
-    busy_url = urls[Counter(idle.encoders).most_common(1)[0][0]]
-    steered = place(keys, urls, in_flight={busy_url: 100})
-    assert Counter(steered.encoders)[urls.index(busy_url)] < Counter(idle.encoders)[urls.index(busy_url)]
-    assert steered.spilled > idle.spilled
-
-
-def test_an_item_that_must_spill_goes_where_it_was_encoded_before():
-    urls = ["grpc://a:1", "grpc://b:1", "grpc://c:1", "grpc://d:1"]
-    keys = keys_of(400, seed=3)
-    # Two keys with the same first choice, in a 2-item request: one of them must spill (cap 1).
+def same_first_choice(urls: list[str], count: int, seed: int = 3) -> list[bytes]:
     by_top: dict[int, list[bytes]] = {}
-    for key in keys:
+    for key in keys_of(400, seed=seed):
         by_top.setdefault(ranking(key, urls)[0], []).append(key)
-    first, second = next(pair[:2] for pair in by_top.values() if len(pair) >= 2)
-    memory = PlacementMemory()
-    plan = place([first, second], urls, memory=memory)
-    assert plan.spilled == 1 and len(set(plan.encoders)) == 2
-    again = place([second, first], urls, memory=memory)  # the other order: same encoders as before
-    assert dict(zip([second, first], again.encoders)) == dict(zip([first, second], plan.encoders))
+    return next(keys[:count] for keys in by_top.values() if len(keys) >= count)
 
 
-def test_of_two_items_known_only_on_the_same_encoder_the_more_often_placed_one_spills():
+def test_at_light_load_two_new_items_ranking_one_encoder_first_spread_and_under_load_they_share_it():
     urls = ["grpc://a:1", "grpc://b:1", "grpc://c:1", "grpc://d:1"]
-    by_top: dict[int, list[bytes]] = {}
-    for key in keys_of(400, seed=4):
-        by_top.setdefault(ranking(key, urls)[0], []).append(key)
-    top, (rare, popular) = next((e, keys[:2]) for e, keys in by_top.items() if len(keys) >= 2)
-    memory = PlacementMemory()
-    for times, key in ((1, rare), (5, popular)):
-        for _ in range(times):
-            assert place([key], urls, memory=memory).encoders == [top]
-    for request in ([popular, rare], [rare, popular]):  # either order
-        plan = place(request, urls, memory=memory)
-        placed = dict(zip(request, plan.encoders))
-        assert placed[rare] == top and placed[popular] == ranking(popular, urls)[1]
-    assert memory.holders(rare) == {urls[top]} and len(memory.holders(popular)) == 2
+    first, second = same_first_choice(urls, 2)
+    top = ranking(first, urls)[0]
+    idle = place([first, second], urls, queued_s=[0.0] * 4, item_s=0.1)
+    assert idle.encoders == [top, ranking(second, urls)[1]] and idle.spilled == 1  # 0.2 s > 1.25 x 0.1 s
+    busy = place([first, second], urls, queued_s=[2.0] * 4, item_s=0.1)
+    assert busy.encoders == [top, top] and busy.spilled == 0  # 2.2 s is within 1.25 x 2.1 s
+
+
+def test_an_encoder_with_a_queue_gets_no_new_item_while_the_others_can_finish_it_sooner():
+    urls = ["grpc://a:1", "grpc://b:1", "grpc://c:1", "grpc://d:1"]
+    keys = keys_of(200, seed=5)
+    slow = urls.index("grpc://b:1")
+    queued = [0.0, 0.5, 0.0, 0.0]  # a slow encoder: its queue, measured at its own speed, drains slowly
+    plans = [place([key], urls, queued_s=queued, item_s=0.05) for key in keys]  # one item at a time
+    assert all(plan.encoders != [slow] for plan in plans)
+    first_choices = sum(ranking(key, urls)[0] == slow for key in keys)
+    assert sum(plan.spilled for plan in plans) == first_choices > 20
+    many = place(keys, urls, queued_s=queued, item_s=0.05)  # once the others are loaded it takes its share
+    assert 0 < many.encoders.count(slow) < 0.25 * len(keys)
+
+
+def test_the_fleet_load_drains_reports_and_counts_what_was_sent_since():
+    now = [100.0]
+    load = FleetLoad(clock=lambda: now[0])
+    assert load.queued_s("grpc://a:1") == 0.0 and load.item_s() == 0.0
+    load.report("grpc://a:1", LoadReport(queued_work_s=2.0, item_s=0.1))
+    load.report("grpc://b:1", LoadReport(queued_work_s=0.0, item_s=0.3))
+    early = load.sending("grpc://a:1", 0.3)  # sent with the report: already in it
+    now[0] += 0.5
+    later = load.sending("grpc://a:1", 0.4)
+    assert load.queued_s("grpc://a:1") == pytest.approx(1.5 + 0.4)
+    assert load.item_s() == pytest.approx(0.2)  # the encoders' mean
+    load.settled("grpc://a:1", later)
+    load.settled("grpc://a:1", early)
+    now[0] += 5
+    assert load.queued_s("grpc://a:1") == 0.0
+    load.report("grpc://a:1", LoadReport(queued_work_s=0.0, item_s=0.0))  # no forward measured: keeps the cost
+    assert load.item_s() == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    "metadata, want",
+    [
+        ((("encoder-load", "1.5 0.02"),), LoadReport(1.5, 0.02)),
+        ((("other", "x"), ("encoder-load", b"0 0")), LoadReport(0.0, 0.0)),
+        ((("encoder-load", "nan 1"),), None),
+        ((("encoder-load", "-1 1"),), None),
+        ((("encoder-load", "1"),), None),
+        ((), None),
+        (None, None),
+    ],
+)
+def test_load_reports_parse_or_are_ignored(metadata, want):
+    assert parse_load(metadata) == want
+    if want is not None:
+        assert parse_load(want.metadata()) == want
 
 
 def test_balance_below_one_is_refused():
@@ -148,8 +194,8 @@ def test_a_failed_encoders_items_are_re_placed_on_the_next_encoder_of_their_rank
     urls = [e.url for e in encoders]
     keys = dict(enumerate(keys_of(8, seed=2)))
     state = RequestPlacement(
-        "req", keys, 1e12, FailoverPolicy(), affinity=Affinity(keys, balance=8.0, in_flight=Counter())
-    )  # a loose balance: every item on its first choice
+        "req", keys, 1e12, FailoverPolicy(), affinity=Affinity(keys, balance=1.25, load=FleetLoad())
+    )  # no load known: every item on its first choice
     first = {e.url: items for e, items in state.plan(encoders, 4, random.Random(0))}
     assert all(urls[ranking(keys[i], urls)[0]] == url for url, items in first.items() for i in items)
     victim, items = next(iter(first.items()))
@@ -170,5 +216,5 @@ def test_affinity_refuses_fixed_counts():
     keys = dict(enumerate(keys_of(2)))
     with pytest.raises(ValueError, match="num_items_assigned"):
         RequestPlacement(
-            "req", keys, 1e12, FailoverPolicy(), num_items_assigned=[2], affinity=Affinity(keys, 1.25, {})
+            "req", keys, 1e12, FailoverPolicy(), num_items_assigned=[2], affinity=Affinity(keys, 1.25, FleetLoad())
         )
