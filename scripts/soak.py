@@ -9,7 +9,7 @@ bf16, so that a reference computes every item's embedding exactly), each behind 
 nodes, each an `EncoderReceiver` over all of them (one over shared memory, one over the gRPC stream).
 
 The workload (`--workers` at once): requests of one to four items, Zipf-repeated widths from a pool
-and fresh ones, PNG and JPEG of many sizes, now and then a hostile item (bytes that are no image, a
+and fresh ones, PNG and JPEG of many sizes, precomputed embeddings mixed in, now and then a hostile item (bytes that are no image, a
 truncated PNG) and a call cancelled part-way; every request has a deadline.
 
 The faults, one at a time at seeded random moments on a seeded random encoder, each held a few
@@ -174,7 +174,9 @@ class Workload:
 
         rng = self.rng
         roll = rng.random()
-        if roll < 0.04:
+        if roll < 0.06:  # embedded elsewhere: the receiver checks it and passes it through in its slot
+            return "precomputed", (rng.randrange(28, 1400), -1), b""
+        if roll < 0.1:
             return "hostile", None, rng.choice([b"not an image at all", image_bytes(64, 64)[:300], b"\x89PNG\r\n\x1a\n" + bytes(50)])
         if roll < 0.7:
             image = rng.choices(self.pool, self.weights)[0]
@@ -257,8 +259,8 @@ class Soak:
             for encoder in self.encoders:
                 encoder.proxy.resume()
                 encoder.signal(signal.SIGCONT)
-                if encoder.launched is not None:
-                    encoder.launched.stop(grace_s=5)
+            await asyncio.gather(*(asyncio.to_thread(e.launched.stop, 5) for e in self.encoders if e.launched))
+            for encoder in self.encoders:
                 await encoder.proxy.close()
         return self.summary()
 
@@ -274,7 +276,11 @@ class Soak:
             record = {"id": f"w{index}-{n}", "node": node_name, "items": [[kind, image] for kind, image, _ in items],
                       "start": round(self.now(), 3), "during_fault": self.active_faults > 0}  # fmt: skip
             cancel_after = rng.uniform(0.0, 0.3) if rng.random() < 0.05 else None
-            call = asyncio.ensure_future(nodes[node_name].encode(record["id"], [{"data": data} for _, _, data in items]))
+            sent = [
+                {"precomputed_embedding": self.reference.output(image[0]).embedding} if kind == "precomputed" else {"data": data}
+                for kind, image, data in items
+            ]
+            call = asyncio.ensure_future(nodes[node_name].encode(record["id"], sent))
             started = time.monotonic()
             try:
                 if cancel_after is not None:
