@@ -13,7 +13,7 @@ and fresh ones, PNG and JPEG of many sizes, precomputed embeddings mixed in, now
 truncated PNG) and a call cancelled part-way; every request has a deadline.
 
 The faults, one at a time at seeded random moments on a seeded random encoder, each held a few
-seconds: kill -9 and restart, SIGSTOP/SIGCONT, a partition that drops nothing and closes nothing
+seconds, every kind once per round in a seeded order: kill -9 and restart, SIGSTOP/SIGCONT, a partition that drops nothing and closes nothing
 (the relay holds), a slow link, a graceful drain (SIGTERM) and restart, shared memory that runs out
 (the segments live on a small tmpfs, filled up), an encoder whose forwards fail.
 
@@ -323,12 +323,15 @@ class Soak:
     async def faults(self) -> None:
         rng = self.rng
         kinds = [kind for kind in FAULTS if kind != "shm_full" or self.tmpfs]
+        deck: list[str] = []  # every kind once per round, in a seeded order
         while not self.stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), rng.uniform(*self.args.fault_gap_s))
             if self.stop.is_set():
                 return
-            kind, encoder, hold_s = rng.choice(kinds), rng.choice(self.encoders), rng.uniform(*self.args.fault_hold_s)
+            if not deck:
+                deck = rng.sample(kinds, len(kinds))
+            kind, encoder, hold_s = deck.pop(), rng.choice(self.encoders), rng.uniform(*self.args.fault_hold_s)
             fault = {"kind": kind, "encoder": encoder.index, "start": round(self.now(), 3)}
             self.active_faults += 1
             try:
