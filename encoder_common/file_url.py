@@ -27,7 +27,10 @@ def read_file_url(url: str, roots: Sequence[Path], *, max_bytes: int) -> bytes:
         raise InvalidItemError(f"not a file:// URL: {shown!r}")
     if parsed.netloc not in ("", "localhost"):
         raise InvalidItemError(f"file:// URL names a remote host {parsed.netloc!r}")
-    path = Path(urllib.request.url2pathname(parsed.path)).resolve()
+    try:
+        path = Path(urllib.request.url2pathname(parsed.path)).resolve()
+    except (ValueError, RuntimeError, OSError) as exc:  # a NUL byte in the path, a symlink loop
+        raise InvalidItemError(f"{shown} names no usable path: {exc}") from None
     if not any(path.is_relative_to(root) for root in roots):
         raise InvalidItemError(f"{shown} is outside the allowed directories")
     try:
