@@ -218,12 +218,13 @@ class StreamCharge:
     for its receiver to take a message. An async context manager: entering admits the call, leaving
     gives everything back once the call is really over."""
 
-    __slots__ = ("budget", "task", "peer", "held", "sending_since", "cut_why", "settled", "_items")
+    __slots__ = ("budget", "task", "peer", "reads", "held", "sending_since", "cut_why", "settled", "_items")
 
     def __init__(self, budget: StreamBudget, task: asyncio.Task | None, peer: str):
         self.budget = budget
         self.task = task
         self.peer = peer  # its gRPC connection: whether that one reads decides how much of the budget is open
+        self.reads = False  # whether that connection read its last call to the end, when this one was admitted
         self.held = 0
         self.sending_since: float | None = None
         self.cut_why: str | None = None  # why the budget cut this call's stream, once it did
@@ -232,6 +233,7 @@ class StreamCharge:
 
     async def __aenter__(self) -> StreamCharge:
         await self.budget._reserve(CALL_BYTES, self.peer)
+        self.reads = self.peer in self.budget._readers
         self.held = CALL_BYTES
         self.budget._calls.add(self)
         return self

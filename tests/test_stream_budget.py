@@ -285,15 +285,19 @@ def test_the_stalled_clients_script_holds_its_checks_on_a_small_run(default_mode
     assert not summary["reader_failed"] and not summary["health_not_serving"]
 
 
-def test_a_payload_starts_with_small_chunks_and_one_left_half_sent_keeps_chunks_only():
+def test_a_payload_starts_with_small_chunks_for_a_connection_not_known_to_read_and_one_left_half_sent_keeps_chunks_only():
     tensor = torch.arange(3 * MiB // 4, dtype=torch.int32)  # 3 MiB
     payload = ItemPayload(pb.ItemHeader(), [tensor])
-    reader = payload.chunks()
+    reader = payload.chunks(small_first=True)
     sizes = [len(wire.parse_response(next(reader))) for _ in range(3)]
-    assert sizes == [*FIRST_CHUNKS_BYTES, wire.CHUNK_BYTES]
+    assert sizes == [*FIRST_CHUNKS_BYTES, MiB - sum(FIRST_CHUNKS_BYTES)]
     payload.finish_framing()  # the stream stopped after three chunks
     assert payload._parts is None  # the tensor is let go: the chunks hold the payload, once
     rest = list(reader)  # a caller still streaming it gets the remaining chunks all the same
     sizes += [len(wire.parse_response(chunk)) for chunk in rest]
-    assert sizes == [32 << 10, 64 << 10, MiB, MiB, MiB - (96 << 10)]
-    assert b"".join(bytes(wire.parse_response(c)) for c in payload.chunks()) == tensor.numpy().tobytes()
+    assert sizes == [32 << 10, 64 << 10, MiB - (96 << 10), MiB, MiB]
+    # A connection that reads gets the kept 1 MiB chunks from the first; both carry the same bytes.
+    assert [len(wire.parse_response(c)) for c in payload.chunks()] == [MiB] * 3
+    for small_first in (True, False):
+        data = b"".join(bytes(wire.parse_response(c)) for c in payload.chunks(small_first=small_first))
+        assert data == tensor.numpy().tobytes()
