@@ -110,6 +110,11 @@ class StreamBudget:
         self._watchdog: asyncio.Task | None = None
 
     @property
+    def open_calls(self) -> int:
+        """Calls admitted and not yet over, cut ones included."""
+        return len(self._calls)
+
+    @property
     def cut_calls(self) -> int:
         """Calls cut and not yet over: each still holds what it left inside gRPC."""
         return sum(1 for charge in self._calls if charge.cut_why is not None)

@@ -20,8 +20,10 @@ seconds, every kind once per round in a seeded order: kill -9 and restart, SIGST
 Invariants, per request: each returned embedding equals its item's reference, in its slot (`wrong`);
 each request ends with a result, a typed error (`EncoderError`) or its own cancellation within its
 deadline and a grace (`lost`: anything else, or later); repeats served from a cache (`cache_hits`).
-Resources per process every `--sample-s`: RSS, file descriptors, threads; and segment files in the
-shared-memory directory; slopes fitted per process lifetime (least squares, per hour).
+Resources per process every `--sample-s`: RSS, file descriptors, threads, and for the servers the
+calls open, the stream budget's bytes, leases held (a tenth of the calls ask for a lease nobody
+fetches) and segments outstanding; segment files in the shared-memory directory; slopes fitted per
+process lifetime (least squares, per hour).
 
     .venv/bin/python scripts/soak.py --duration-s 3600 --seed 7 --json soak.json
 
@@ -85,10 +87,12 @@ class SoakEncoder(EncoderDouble):
 
 
 def serve(fail_file: str) -> None:
-    """One encoder server process of the fleet, until SIGTERM (then it drains, as a rolling update does)."""
+    """One encoder server process of the fleet, until SIGTERM (then it drains, as a rolling update does).
+    Every second it writes what it holds (calls open, stream budget, leases, segments) beside `fail_file`."""
     import logging
 
     from encoder_common.malloc import tune_server_malloc
+    from encoder_server.leases import LeaseConfig
     from encoder_server.server import EncoderServer
     from encoder_server.shm import ShmConfig
     from testkit.servers import server_config
@@ -98,9 +102,11 @@ def serve(fail_file: str) -> None:
 
     async def run() -> None:
         config = server_config(REPO / "no-checkpoint", dtype=torch.bfloat16, grace_seconds=3.0,
-                               shm=ShmConfig(max_bytes=32 << 20), cache_bytes=64 << 20)  # fmt: skip
+                               shm=ShmConfig(max_bytes=32 << 20), cache_bytes=256 << 20,
+                               leases=LeaseConfig(max_bytes=32 << 20, max_ttl_s=5.0))  # fmt: skip
         server = EncoderServer(config, encoder=SoakEncoder(Path(fail_file)))
         await server.start()
+        asyncio.get_running_loop().create_task(write_stats(server, Path(fail_file).with_suffix(".stats")))
         stopping = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
         print(f"ready on 127.0.0.1:{server.port}", flush=True)
@@ -108,6 +114,19 @@ def serve(fail_file: str) -> None:
         await server.stop(grace=3.0)
 
     asyncio.run(run())
+
+
+async def write_stats(server, path: Path) -> None:
+    while True:
+        stats = {
+            "calls_open": server.streams.open_calls,
+            "stream_bytes_held": server.streams.held,
+            "leases": len(server.leases._leases) if server.leases is not None else 0,  # noqa: SLF001
+            "shm_segments": len(server.shm.outstanding()) if server.shm is not None else 0,
+        }
+        path.with_suffix(".tmp").write_text(json.dumps(stats))
+        path.with_suffix(".tmp").replace(path)
+        await asyncio.sleep(1.0)
 
 
 # The driver.
@@ -126,6 +145,13 @@ class Encoder:
     @property
     def fail_file(self) -> Path:
         return self.workdir / f"fail-{self.index}"
+
+    def held(self) -> dict:
+        """What the server last said it holds (see `write_stats`); empty while it is down or stopped."""
+        try:
+            return json.loads(self.fail_file.with_suffix(".stats").read_text()) if self.pid is not None else {}
+        except (OSError, ValueError):
+            return {}
 
     @property
     def pid(self) -> int | None:
@@ -280,7 +306,9 @@ class Soak:
                 {"precomputed_embedding": self.reference.output(image[0]).embedding} if kind == "precomputed" else {"data": data}
                 for kind, image, data in items
             ]
-            call = asyncio.ensure_future(nodes[node_name].encode(record["id"], sent))
+            # Some calls ask for leases that nobody fetches: they must expire, not pile up.
+            lease_ms = 2000 if rng.random() < 0.1 else None
+            call = asyncio.ensure_future(nodes[node_name].encode(record["id"], sent, lease_ms=lease_ms))
             started = time.monotonic()
             try:
                 if cancel_after is not None:
@@ -385,6 +413,9 @@ class Soak:
             for name, pid, life in [("driver", me, 1)] + [(f"encoder-{e.index}", e.pid, e.lives) for e in self.encoders]:
                 if pid is not None and (stats := proc_stats(pid)) is not None:
                     sample["procs"][f"{name}#{life}"] = stats
+            for encoder in self.encoders:
+                if encoder.pid is not None and (held := encoder.held()):
+                    sample["procs"][f"encoder-{encoder.index}#{encoder.lives}"].update(held)
             self.history.samples.append(sample)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), self.args.sample_s)
@@ -415,7 +446,10 @@ class Soak:
             if sample["t"] >= warm:
                 series["shm_dir"]["files"].append((sample["t"], sample["shm_files"]))
         slopes = {
-            proc: {f"{key}_per_h": round(fitted_slope(points), 2) for key, points in by.items()} | {"samples": len(next(iter(by.values())))}
+            proc: {
+                key: {"per_h": round(fitted_slope(points), 2), "min": min(v for _, v in points), "max": max(v for _, v in points)}
+                for key, points in by.items()
+            } | {"samples": len(next(iter(by.values()))), "seconds": round(by[next(iter(by))][-1][0] - by[next(iter(by))][0][0])}
             for proc, by in series.items() if by and len(next(iter(by.values()))) >= 3
         }  # fmt: skip
         last = self.history.samples[-1] if self.history.samples else {}
