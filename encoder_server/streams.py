@@ -21,9 +21,10 @@ over; however many receivers stall, what they leave inside gRPC is within the bu
 
 Two shares keep never-reading clients from locking anyone else out, however many streams they open
 and on however many connections:
-- one connection (one gRPC peer) holds at most half the budget unless it reads: a connection reads
-  once the last call that finished on it sent everything and no stream of it has been cut since.
-  A client that stalls a thousand streams on one connection gets half at most, cut streams included;
+- one connection (one gRPC peer) holds at most half the budget unless it reads, and three quarters
+  if it does: a connection reads once the last call that finished on it sent everything and no
+  stream of it has been cut since. A client that stalls a thousand streams on one connection gets
+  half at most, cut streams included, and one that read a call first, three quarters;
 - the last quarter of the budget is kept for connections that read, against the calls in progress
   (a cut stream's leftover inside gRPC is not in progress, and counts only against the whole budget).
   Calls from fresh connections, and from those whose streams were cut, share the other three quarters.
@@ -144,10 +145,11 @@ class StreamBudget:
         full = self.limits.max_bytes
         if self.held + nbytes > full:
             return False
+        open_to_all = full - full // READER_SHARE
         if peer in self._readers:
-            return True
+            return self.held_by(peer) + nbytes <= open_to_all
         live = self.held - self.leftover
-        return live + nbytes <= full - full // READER_SHARE and self.held_by(peer) + nbytes <= full // CONNECTION_SHARE
+        return live + nbytes <= open_to_all and self.held_by(peer) + nbytes <= full // CONNECTION_SHARE
 
     def _add(self, peer: str, nbytes: int) -> None:
         """Counts `nbytes` more (or fewer, when negative) held by a call of `peer`."""

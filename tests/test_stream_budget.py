@@ -249,6 +249,21 @@ async def test_one_connection_holds_half_the_budget_and_cut_leftovers_leave_the_
     fresh.cancel()
     for write in pending:
         write.set_result(None)  # the chunks go: the cut calls end with RESOURCE_EXHAUSTED
+    await asyncio.sleep(0.05)
+    # A connection that reads holds three quarters at most, so even once all its streams are cut, what
+    # they leave inside gRPC lets a fresh connection in.
+    budget._read_to_the_end("ipv4:10.0.0.3:3000")
+    late_cut = asyncio.Event()
+    reading = await admitted("ipv4:10.0.0.3:3000", 8, late_cut)
+    assert len(reading) == 6, len(reading)
+    cut_calls += reading
+    late_cut.set()
+    await asyncio.sleep(0.05)
+    assert budget.leftover == budget.held == 6 * (CALL_STATE_BYTES + wire.CHUNK_BYTES)
+    (fresh,) = await admitted("ipv4:10.0.0.2:2003", 1)
+    fresh.cancel()
+    for write in pending[-6:]:
+        write.set_result(None)
     ended = await asyncio.gather(*cut_calls, return_exceptions=True)
     assert all(isinstance(end, OverloadedError) and "the stream was cut" in str(end) for end in ended)
     assert budget.held == budget.leftover == 0 and not budget._by_peer
