@@ -43,3 +43,23 @@ def test_a_file_url_with_a_nul_byte_is_refused_as_invalid(tmp_path):
 
     with pytest.raises(InvalidItemError, match="names no usable path"):
         read_file_url(f"file://{tmp_path}/a%00b.png", [tmp_path.resolve()], max_bytes=1024)
+
+
+def test_an_item_of_a_modality_this_server_has_no_name_for_is_refused_as_unsupported():
+    # Found by the campaign: naming an unknown enum value raised ValueError (INTERNAL) instead of refusing the item.
+    from encoder_common.errors import UnsupportedModalityError
+    from encoder_server.checks import check_encode_request
+    from protos import encoder_pb2 as pb
+
+    request = pb.EncodeRequest(request_id="r", items=[pb.ImageItem(index=0, modality=4, data=b"x")])
+    with pytest.raises(UnsupportedModalityError, match="modality number 4"):
+        check_encode_request(request, 64)
+
+
+def test_a_file_url_that_urllib_cannot_parse_is_refused_as_invalid(tmp_path):
+    # Found by the campaign: "file://[" raised ValueError (INTERNAL) out of urllib.
+    from encoder_common.errors import InvalidItemError
+    from encoder_common.file_url import read_file_url
+
+    with pytest.raises(InvalidItemError, match="not a valid file:// URL"):
+        read_file_url("file://[/a.png", [tmp_path.resolve()], max_bytes=1024)
