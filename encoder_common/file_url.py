@@ -22,12 +22,18 @@ def read_file_url(url: str, roots: Sequence[Path], *, max_bytes: int) -> bytes:
     `max_bytes` bounds the read, so a device file or a huge file cannot exhaust memory.
     """
     shown = url if len(url) <= 200 else url[:200] + "..."
-    parsed = urllib.parse.urlparse(url)
+    try:
+        parsed = urllib.parse.urlparse(url)
+    except ValueError as exc:  # e.g. an unbalanced [ in the host
+        raise InvalidItemError(f"not a valid file:// URL: {shown!r}: {exc}") from None
     if parsed.scheme != "file":
         raise InvalidItemError(f"not a file:// URL: {shown!r}")
     if parsed.netloc not in ("", "localhost"):
         raise InvalidItemError(f"file:// URL names a remote host {parsed.netloc!r}")
-    path = Path(urllib.request.url2pathname(parsed.path)).resolve()
+    try:
+        path = Path(urllib.request.url2pathname(parsed.path)).resolve()
+    except (ValueError, RuntimeError, OSError) as exc:  # a NUL byte in the path, a symlink loop
+        raise InvalidItemError(f"{shown} names no usable path: {exc}") from None
     if not any(path.is_relative_to(root) for root in roots):
         raise InvalidItemError(f"{shown} is outside the allowed directories")
     try:

@@ -1,9 +1,10 @@
 """An item's response as the server sends it: its ItemHeader and its payload framed into chunk
 messages once, kept so that every caller (and every cache hit) sends the same bytes objects.
 
-An item's first chunks are small (FIRST_CHUNKS_BYTES): a receiver that never reads stalls on the
-second, so its stalled stream leaves a 64 KiB message inside gRPC instead of a whole 1 MiB chunk
-(see streams.py); receivers that read get 1 MiB chunks after them.
+A connection not known to read (see streams.py) gets the item's first chunk cut smaller
+(FIRST_CHUNKS_BYTES): a receiver that never reads stalls on the second piece, so its stalled stream
+leaves a 64 KiB message inside gRPC instead of a whole 1 MiB chunk. Connections that read get the
+kept 1 MiB chunks from the first: the fewer messages, the faster the stream.
 """
 
 from __future__ import annotations
@@ -26,16 +27,15 @@ from .models import PreparedImage
 FIRST_CHUNKS_BYTES = (32 << 10, 64 << 10)
 
 
-def _pieces(parts: Sequence[torch.Tensor]) -> list[memoryview]:
-    """The payload's bytes as framed: FIRST_CHUNKS_BYTES apart, then the rest of each part in full chunks."""
-    views = [wire.tensor_bytes(part) for part in parts]
-    first, pieces = views[0] if views else memoryview(b""), []
+def cut_small(chunk: bytes) -> list[bytes]:
+    """One chunk message as several covering the same bytes, the first ones FIRST_CHUNKS_BYTES long."""
+    data, pieces = wire.parse_response(chunk), []
     for size in FIRST_CHUNKS_BYTES:
-        if len(first) <= size:
+        if len(data) <= size:
             break
-        pieces.append(first[:size])
-        first = first[size:]
-    return pieces + [first] + views[1:]
+        pieces.append(data[:size])
+        data = data[size:]
+    return [message for piece in [*pieces, data] for message in wire.chunk_messages(piece)]
 
 
 class ItemPayload:
@@ -48,10 +48,10 @@ class ItemPayload:
 
     def __init__(self, header: pb.ItemHeader, parts: Sequence[torch.Tensor]):
         self.header = header
-        pieces = _pieces(parts)
-        self.nbytes = wire.framed_size([len(piece) for piece in pieces])
+        views = [wire.tensor_bytes(part) for part in parts]
+        self.nbytes = wire.framed_size([len(view) for view in views])
         self._parts: list[torch.Tensor] | None = list(parts)  # held until every chunk is framed
-        self._framing: Iterator[bytes] | None = itertools.chain.from_iterable(map(wire.chunk_messages, pieces))
+        self._framing: Iterator[bytes] | None = itertools.chain.from_iterable(map(wire.chunk_messages, views))
         self._chunks: list[bytes] = []
 
     def payload_views(self) -> list[memoryview]:
@@ -60,7 +60,8 @@ class ItemPayload:
             return [wire.tensor_bytes(part) for part in self._parts]
         return [wire.parse_response(chunk) for chunk in self._chunks]
 
-    def chunks(self) -> Iterator[bytes]:
+    def chunks(self, *, small_first: bool = False) -> Iterator[bytes]:
+        """The chunk messages in order; with `small_first`, the first one cut as `cut_small` cuts it."""
         index = 0
         while True:
             if index == len(self._chunks):
@@ -69,7 +70,10 @@ class ItemPayload:
                     self._framing = self._parts = None  # all framed: the tensors can go
                     return
                 self._chunks.append(chunk)
-            yield self._chunks[index]
+            if index == 0 and small_first:
+                yield from cut_small(self._chunks[0])
+            else:
+                yield self._chunks[index]
             index += 1
 
     def finish_framing(self) -> None:

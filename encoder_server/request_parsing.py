@@ -86,9 +86,14 @@ def check_text_fields(request: pb.EncodeRequest) -> None:
             )
 
 
+def _modality_name(value: int) -> str:
+    """A modality by its name, or by its number when this server knows no name for it (a newer client's)."""
+    return pb.Modality.Name(value).lower() if value in pb.Modality.values() else f"modality number {value}"
+
+
 def check_encode_request(request: pb.EncodeRequest, max_items: int) -> None:
     """Refuses an Encode request whose shape is wrong before any of its items is decoded."""
-    non_image = [pb.Modality.Name(item.modality).lower() for item in request.items if item.modality != pb.IMAGE]
+    non_image = [_modality_name(item.modality) for item in request.items if item.modality != pb.IMAGE]
     if non_image:
         raise UnsupportedModalityError(non_image)
     if not request.items:

@@ -70,7 +70,8 @@ class ItemSender:
         await self._write(message)
         if not placed:
             try:
-                for chunk in payload.chunks():
+                # A connection not known to read gets small first chunks: stalled, it leaves less inside gRPC.
+                for chunk in payload.chunks(small_first=not self.charge.reads):
                     await self._write(chunk)
             except BaseException:
                 payload.finish_framing()  # the payload may live on in the cache: not as tensors and chunks

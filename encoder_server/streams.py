@@ -19,10 +19,18 @@ its receiver reads it or goes (cancels, reaches its deadline, disconnects). A cu
 gives back its payloads at once but stays charged for that message and its state until it is really
 over; however many receivers stall, what they leave inside gRPC is within the budget.
 
-The last quarter of the budget is kept for connections that read: a call is admitted into it only
-when the last call that finished on the same connection (the same gRPC peer) sent everything, and
-no stream of that connection has been cut since. Never-reading clients can hold at most three
-quarters, so a receiver that keeps its channel open is served while they wait to be cut.
+Two shares keep never-reading clients from locking anyone else out, however many streams they open
+and on however many connections:
+- one connection (one gRPC peer) holds at most half the budget unless it reads, and three quarters
+  if it does: a connection reads once the last call that finished on it sent everything and no
+  stream of it has been cut since. A client that stalls a thousand streams on one connection gets
+  half at most, cut streams included, and one that read a call first, three quarters;
+- the last quarter of the budget is kept for connections that read, against the calls in progress
+  (a cut stream's leftover inside gRPC is not in progress, and counts only against the whole budget).
+  Calls from fresh connections, and from those whose streams were cut, share the other three quarters.
+A fresh connection that reads is therefore refused only while live calls of never-readers fill three
+quarters, which lasts until they have read nothing for EVICT_AFTER_S, or while cut streams' leftovers
+fill the whole budget (at 128 KiB each, about two thousand never-reading connections).
 """
 
 from __future__ import annotations
@@ -49,8 +57,10 @@ CALL_STATE_BYTES = 64 << 10
 # The most a live call keeps inside gRPC at once: its state and a copy of the largest message it sends.
 CALL_BYTES = CALL_STATE_BYTES + wire.CHUNK_BYTES + 16
 DEFAULT_STREAM_BUFFER_BYTES = 256 << 20
-# The part of the budget only connections that read may use: 1 / READER_SHARE of it.
+# The part of the budget only connections that read may use for calls in progress: 1 / READER_SHARE of it.
 READER_SHARE = 4
+# The most one connection that does not read may hold, cut streams included: 1 / CONNECTION_SHARE of it.
+CONNECTION_SHARE = 2
 # Connections remembered as reading (an LRU of gRPC peer strings, ~100 bytes each).
 MAX_READERS = 4096
 
@@ -92,11 +102,18 @@ class StreamBudget:
         self.limits = limits
         self.held = 0
         self.peak = 0
+        self.leftover = 0  # held by cut calls for what they left inside gRPC (part of `held`)
+        self._by_peer: dict[str, int] = {}  # bytes held per connection (peers holding nothing left out)
         self.refused = 0  # calls refused for want of room
         self.stalled = 0  # streams cut by the watchdog or for a new call's room
         self._calls: set[StreamCharge] = set()
         self._readers: OrderedDict[str, None] = OrderedDict()  # peers whose last call was read to its end
         self._watchdog: asyncio.Task | None = None
+
+    @property
+    def open_calls(self) -> int:
+        """Calls admitted and not yet over, cut ones included."""
+        return len(self._calls)
 
     @property
     def cut_calls(self) -> int:
@@ -116,19 +133,37 @@ class StreamBudget:
         if self._watchdog is not None:
             self._watchdog.cancel()
 
-    def _limit(self, peer: str) -> int:
-        """The whole budget for a connection that reads (see the module's docstring), else three quarters."""
-        full = self.limits.max_bytes
-        return full if peer in self._readers else full - full // READER_SHARE
+    def held_by(self, peer: str) -> int:
+        """Bytes the calls of one connection hold, cut ones included."""
+        return self._by_peer.get(peer, 0)
 
     def _fits(self, nbytes: int, peer: str) -> bool:
-        # An item larger than the whole budget still passes when nothing else is held.
-        return not self.held or self.held + nbytes <= self._limit(peer)
+        """Whether `nbytes` more for a call of `peer` stay within the budget and the shares (see the
+        module's docstring)."""
+        if not self.held:
+            return True  # an item larger than the whole budget still passes when nothing else is held
+        full = self.limits.max_bytes
+        if self.held + nbytes > full:
+            return False
+        open_to_all = full - full // READER_SHARE
+        if peer in self._readers:
+            return self.held_by(peer) + nbytes <= open_to_all
+        live = self.held - self.leftover
+        return live + nbytes <= open_to_all and self.held_by(peer) + nbytes <= full // CONNECTION_SHARE
+
+    def _add(self, peer: str, nbytes: int) -> None:
+        """Counts `nbytes` more (or fewer, when negative) held by a call of `peer`."""
+        self.held += nbytes
+        held = self._by_peer.get(peer, 0) + nbytes
+        if held:
+            self._by_peer[peer] = held
+        else:
+            self._by_peer.pop(peer, None)
 
     async def _reserve(self, nbytes: int, peer: str) -> None:
         if not self._fits(nbytes, peer) and not (await self._evict_unread() and self._fits(nbytes, peer)):
             self._refuse(nbytes, peer)
-        self.held += nbytes
+        self._add(peer, nbytes)
         self.peak = max(self.peak, self.held)
 
     async def _evict_unread(self) -> bool:
@@ -162,11 +197,16 @@ class StreamBudget:
     def _refuse(self, nbytes: int, peer: str) -> None:
         self.refused += 1
         need = f" (this call needs {nbytes} more)" if nbytes else ""
-        limit = f"its limit is {self.limits.max_bytes} (--stream-buffer-bytes)"
-        if (share := self._limit(peer)) < self.limits.max_bytes:
-            limit += f", {share} for a connection that has not read a call to its end"
+        full = self.limits.max_bytes
+        limit = f"its limit is {full} (--stream-buffer-bytes)"
+        if peer not in self._readers:
+            limit += (
+                f"; a connection that has not read a call to its end may hold {full // CONNECTION_SHARE} "
+                f"(this one holds {self.held_by(peer)}), and its calls share {full - full // READER_SHARE} "
+                f"with all such calls in progress ({self.held - self.leftover} held)"
+            )
         raise OverloadedError(
-            f"the server holds {self.held} bytes for calls in progress{need}, {limit}: try another encoder or later"
+            f"the server holds {self.held} bytes for calls{need}, {limit}: try another encoder or later"
         )
 
     async def _watch(self) -> None:
@@ -185,12 +225,13 @@ class StreamCharge:
     for its receiver to take a message. An async context manager: entering admits the call, leaving
     gives everything back once the call is really over."""
 
-    __slots__ = ("budget", "task", "peer", "held", "sending_since", "cut_why", "settled", "_items")
+    __slots__ = ("budget", "task", "peer", "reads", "held", "sending_since", "cut_why", "settled", "_items")
 
     def __init__(self, budget: StreamBudget, task: asyncio.Task | None, peer: str):
         self.budget = budget
         self.task = task
         self.peer = peer  # its gRPC connection: whether that one reads decides how much of the budget is open
+        self.reads = False  # whether that connection read its last call to the end, when this one was admitted
         self.held = 0
         self.sending_since: float | None = None
         self.cut_why: str | None = None  # why the budget cut this call's stream, once it did
@@ -199,6 +240,7 @@ class StreamCharge:
 
     async def __aenter__(self) -> StreamCharge:
         await self.budget._reserve(CALL_BYTES, self.peer)
+        self.reads = self.peer in self.budget._readers
         self.held = CALL_BYTES
         self.budget._calls.add(self)
         return self
@@ -208,7 +250,9 @@ class StreamCharge:
             if isinstance(exc, StreamCut):
                 await self._settle(exc, tb)
         finally:
-            self.budget.held -= self.held
+            if self.settled:
+                self.budget.leftover -= self.held
+            self.budget._add(self.peer, -self.held)
             self.held = 0
             self._items.clear()
             self.budget._calls.discard(self)
@@ -232,7 +276,7 @@ class StreamCharge:
         else:
             nbytes = charged
         self.held -= nbytes
-        self.budget.held -= nbytes
+        self.budget._add(self.peer, -nbytes)
 
     def cut(self, why: str) -> None:
         """Stops the call's handler: its payloads are given back, what it left inside gRPC stays charged."""
@@ -246,7 +290,8 @@ class StreamCharge:
         is over (its receiver cancels, reaches its deadline or disconnects)."""
         traceback.clear_frames(tb)  # the frames that sent the payloads: they must not keep them alive
         remaining = CALL_STATE_BYTES + cut.nbytes
-        self.budget.held -= self.held - remaining
+        self.budget._add(self.peer, remaining - self.held)
+        self.budget.leftover += remaining
         self.held = remaining
         self._items.clear()
         self.settled = True

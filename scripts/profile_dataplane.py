@@ -3,7 +3,10 @@ event-loop turns, for bare grpcio, our server read by a bare client, and `Encode
 stream and over shared memory. Differences between neighbouring rows split our overhead into the
 server's part and the receiver's part. A profile, not a benchmark: `scripts/bench.py` has the ratios.
 
-    python scripts/profile_dataplane.py [--tokens 1024] [--in-flight 1] [--calls 60] [--rounds 5]
+    python scripts/profile_dataplane.py [--tokens 1024] [--in-flight 1] [--calls 60] [--rounds 5] [--small-first]
+
+`--small-first` adds a second server process whose connections never count as reading (streams.py),
+so that every item starts with the small chunks a never-reading client gets: their cost to a reader.
 
 Each call carries the same request as in `bench.py`'s transport section (a 465 KB JPEG, or a 224x224
 one for items under 100 tokens); the server process is `testkit.fixed_server`, the bare one is
@@ -99,7 +102,7 @@ async def measure(call: Callable[[], Awaitable[None]], server_pid: int, calls: i
     )
 
 
-async def profile(args, ours, bare) -> None:
+async def profile(args, ours, bare, small_first=None) -> None:
     nbytes = args.tokens * HIDDEN * 2
     image = image_bytes(720, 720, 0, fmt="JPEG", quality=90) if args.tokens >= 100 else image_bytes(224, 224, 1, fmt="JPEG", quality=90)
     request = pb.EncodeRequest(request_id="bare", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image)])
@@ -108,12 +111,17 @@ async def profile(args, ours, bare) -> None:
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") for p in (bare, ours)]
     receivers = [EncoderReceiver([ours.url], transfer=t) for t in ("grpc", "shm")]
     await receivers[0].encode("first", [{"data": image}])  # computed once: every measured call is a hit
+    if small_first is not None:
+        receivers.append(EncoderReceiver([small_first.url], transfer="grpc"))
+        await receivers[-1].encode("first", [{"data": image}])
     rows = {
         "bare grpcio": (raw_call(channels[0], f"/bench.Bare/Stream{nbytes}", raw, nbytes), bare.process.pid),
         "our server, bare client": (raw_call(channels[1], ENCODE, raw, nbytes), ours.process.pid),
         "EncoderReceiver, stream": (receiver_call(receivers[0], image), ours.process.pid),
         "EncoderReceiver, shm": (receiver_call(receivers[1], image), ours.process.pid),
     }
+    if small_first is not None:
+        rows["EncoderReceiver, small 1st"] = (receiver_call(receivers[2], image), small_first.process.pid)
     runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in rows}
     for _ in range(args.rounds):  # interleaved, so that a slow moment of the machine hits every row
         for name, (call, pid) in rows.items():
@@ -137,6 +145,7 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=1, help="calls in flight (bench.py: 1 and 4)")
     parser.add_argument("--calls", type=int, default=60, help="calls per measurement")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--small-first", action="store_true", help="add a server that starts every item with small chunks")
     args = parser.parse_args()
     tune_malloc()  # as bench.py: the receiver's process set up as docs/prefill-side.md recommends
     nbytes = args.tokens * HIDDEN * 2
@@ -148,11 +157,17 @@ def main() -> None:
             [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--role", "bare-grpc", "--payload-bytes", str(nbytes)],
             Path(logs) / "bare.log",
         )
+        small_first = None
+        if args.small_first:  # the fixed server, with no connection ever remembered as reading
+            code = "import runpy, sys; import encoder_server.streams as s; s.MAX_READERS = 0; sys.argv[0] = 'fixed_server'; runpy.run_module('testkit.fixed_server', run_name='__main__')"
+            small_first = start_process([sys.executable, "-c", code, str(args.tokens), str(HIDDEN)], Path(logs) / "small.log")
         try:
-            asyncio.run(profile(args, ours, bare))
+            asyncio.run(profile(args, ours, bare, small_first))
         finally:
             ours.stop(grace_s=10)
             bare.stop()
+            if small_first is not None:
+                small_first.stop(grace_s=10)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,26 @@
 """Never-reading clients against one encoder server with default flags: how much the server's memory grows,
-whether a reading client is served throughout, and whether health stays SERVING.
+whether reading clients are served throughout (one on a connection it keeps, and fresh ones each on a
+new connection), and whether health stays SERVING.
 
-Each stalled client opens its own channel on its own TCP connection (a gRPC client whose HTTP/2 window
-stays at 64 KiB, so gRPC cannot take a payload off the server into the client either), asks for a distinct ~7 MiB item (the
-built-in model: Qwen2.5-VL's 2048-wide embedding, 1792 tokens for a 1568x896 image), reads the
-header and nothing more. They arrive in waves while a reader encodes an image of its own every
-`--reader-interval-s` and a health probe runs twice a second. Loopback only; bounded in clients and time.
+Each stalled client asks for a distinct ~7 MiB item (the built-in model: Qwen2.5-VL's 2048-wide
+embedding, 1792 tokens for a 1568x896 image), reads the header and nothing more, on a gRPC channel
+whose HTTP/2 window stays at 64 KiB (so gRPC cannot take a payload off the server into the client
+either). `--shape own-connections` (default) gives each its own channel and TCP connection;
+`--shape one-connection` opens all of them as streams of one connection. They arrive in waves while
+a reader encodes an image of its own every `--reader-interval-s` through `EncoderReceiver`, a fresh
+client on a new connection asks for an image every `--fresh-interval-s` (retrying RESOURCE_EXHAUSTED
+as a receiver would, for `--fresh-timeout-s` at most), and a health probe runs twice a second.
+Loopback only; bounded in clients and time.
 
 `--encoder tower` (default) serves the built-in model's real tower (`python -m encoder_server`, default
 flags). `--encoder made-up` serves the same checkpoint and default settings with an encoder that
 makes up a fresh 1792 x 2048 output per item at no compute (testkit's EncoderDouble): the server's
 buffering is the same, and a run of a thousand clients does not wait on hundreds of CPU forwards.
 
-    .venv/bin/python scripts/stalled_clients.py --clients 1000 --encoder made-up
+    .venv/bin/python scripts/stalled_clients.py --clients 1000 --encoder made-up --shape one-connection
 
-Prints one JSON line; exits 1 when a reader call failed, health left SERVING, or the growth passed
-`--max-growth-gib`.
+Prints one JSON line; exits 1 when a reader call or a fresh client failed, health left SERVING, or the
+growth passed `--max-growth-gib`.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from PIL import Image  # noqa: E402
 
 from protos import encoder_pb2 as pb  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
-from testkit.bare_grpc import NEVER_READS  # noqa: E402
+from testkit.bare_grpc import NEVER_READS, OWN_CONNECTION  # noqa: E402
 from testkit.launcher import LaunchedProcess, launch_server, start_process  # noqa: E402
 
 # 56 x 32 merged patches of 28 pixels: 1792 tokens, x 2048 bf16 = 7 MiB.
@@ -79,11 +84,38 @@ async def stall(channel: grpc.aio.Channel, seed: int, image: bytes, deadline_s: 
     return began, call
 
 
+async def served_afresh(port: int, seed: int, timeout_s: float) -> float:
+    """One client on a new connection (one that has read nothing yet): asks for a distinct item and reads it
+    whole, again after a short back-off while refused RESOURCE_EXHAUSTED; returns the seconds it took."""
+    item = pb.ImageItem(index=0, modality=pb.IMAGE, data=await asyncio.to_thread(distinct_image, seed))
+    request = pb.EncodeRequest(request_id=f"fresh-{seed}", items=[item])
+    started = time.perf_counter()
+    back_off = 0.1
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION) as channel:
+        encode = channel.unary_stream(
+            "/encoder.v1.EncoderService/Encode", request_serializer=pb.EncodeRequest.SerializeToString
+        )
+        while True:
+            left = timeout_s - (time.perf_counter() - started)
+            try:
+                received = 0
+                async for message in encode(request, timeout=max(left, 0.1)):
+                    received += len(message)
+                assert received > ITEM_BYTES, received
+                return time.perf_counter() - started
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or left < back_off:
+                    raise
+            await asyncio.sleep(back_off)
+            back_off = min(2 * back_off, 1.0)
+
+
 async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
     url = f"grpc://127.0.0.1:{port}"
     health_problems: list[str] = []
     health_seconds: list[float] = []
     reader = {"served": 0, "failed": [], "seconds": []}
+    fresh = {"served": 0, "failed": [], "seconds": []}
     stop = asyncio.Event()
     async with EncoderReceiver([url]) as rx, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as probe:
         for seed in range(3):  # the steady state of serving readers: heap, gRPC buffers, threads
@@ -106,6 +138,17 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
                     reader["failed"].append(f"{type(exc).__name__}: {exc}"[:300])
                 await asyncio.sleep(args.reader_interval_s)
 
+        async def read_afresh() -> None:
+            seed = 300_000
+            while not stop.is_set():
+                seed += 1
+                try:
+                    fresh["seconds"].append(await served_afresh(port, seed, args.fresh_timeout_s))
+                    fresh["served"] += 1
+                except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                    fresh["failed"].append(f"{type(exc).__name__}: {exc}"[:300])
+                await asyncio.sleep(args.fresh_interval_s)
+
         async def watch_health() -> None:
             stub = health_pb2_grpc.HealthStub(probe)
             while not stop.is_set():
@@ -120,8 +163,10 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
                 await asyncio.sleep(0.5)
 
         images = await asyncio.to_thread(lambda: [distinct_image(seed) for seed in range(args.clients)])
-        background = [asyncio.ensure_future(read_throughout()), asyncio.ensure_future(watch_health())]
-        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=NEVER_READS) for _ in range(args.clients)]
+        background = [asyncio.ensure_future(task()) for task in (read_throughout, read_afresh, watch_health)]
+        connections = args.clients if args.shape == "own-connections" else 1
+        opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=NEVER_READS) for _ in range(connections)]
+        channels = [opened[i % connections] for i in range(args.clients)]
         began: collections.Counter[str] = collections.Counter()
         calls = []
         started = time.monotonic()
@@ -139,10 +184,11 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
             after = memory_mib(pid)
             for call in calls:
                 call.cancel()
-            await asyncio.gather(*(channel.close() for channel in channels))
+            await asyncio.gather(*(channel.close() for channel in opened))
     grown = after["VmHWM"] - before["VmRSS"]
     return {
         "clients": args.clients,
+        "shape": args.shape,
         "stalled_began": dict(began),
         "seconds": round(time.monotonic() - started, 1),
         "rss_before_mib": round(before["VmRSS"]),
@@ -151,6 +197,9 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         "reader_served": reader["served"],
         "reader_failed": reader["failed"],
         "reader_slowest_s": round(max(reader["seconds"], default=0.0), 2),
+        "fresh_served": fresh["served"],
+        "fresh_failed": fresh["failed"],
+        "fresh_slowest_s": round(max(fresh["seconds"], default=0.0), 2),
         "health_not_serving": health_problems,
         "health_probes": len(health_seconds),
         "health_slowest_s": round(max(health_seconds, default=0.0), 2),
@@ -206,7 +255,11 @@ def main() -> None:
     p.add_argument("--wave-interval-s", type=float, default=0.5)
     p.add_argument("--hold-s", type=float, default=10.0, help="time all of them stay stalled at the end")
     p.add_argument("--deadline-s", type=float, default=300.0, help="the stalled calls' own deadline")
+    p.add_argument("--shape", choices=("own-connections", "one-connection"), default="own-connections",
+                   help="a TCP connection per stalled client, or all of them streams of one connection")  # fmt: skip
     p.add_argument("--reader-interval-s", type=float, default=0.25)
+    p.add_argument("--fresh-interval-s", type=float, default=1.0, help="pause between fresh clients")
+    p.add_argument("--fresh-timeout-s", type=float, default=10.0, help="a fresh client not served by then failed")
     p.add_argument("--health-timeout-s", type=float, default=5.0)
     p.add_argument("--max-growth-gib", type=float, default=2.0)
     p.add_argument("--encoder", choices=("tower", "made-up"), default="tower")
@@ -230,6 +283,7 @@ def main() -> None:
         summary.update(encoder=args.encoder, server_flags=args.server_flags)
     print(json.dumps(summary), flush=True)
     ok = not summary["reader_failed"] and summary["reader_served"] > 0 and not summary["health_not_serving"]
+    ok = ok and not summary["fresh_failed"] and summary["fresh_served"] > 0
     sys.exit(0 if ok and summary["rss_growth_mib"] <= args.max_growth_gib * 1024 else 1)
 
 

@@ -1,7 +1,9 @@
 """A TCP relay in front of an encoder that lands a fault at a chosen byte of what the encoder sends.
 
 The receiver sees exactly the bytes before that point, however far ahead the encoder (or the
-kernel's socket buffers) had got by then, so a fault test does not race the wall clock.
+kernel's socket buffers) had got by then, so a fault test does not race the wall clock. For chaos
+runs (scripts/soak.py) it also partitions at once (`hold`, both ways, connections left open),
+slows the link (`delay_s` per relayed read) and follows a restarted encoder (`target_port`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class FaultProxy:
         self._budget: int | None = None  # encoder bytes still relayed before the fault
         self._fault: Callable[[], None] = lambda: None
         self._hang = True
+        self.delay_s = 0.0  # a slow link: this long before each relayed read (of RELAY_BYTES at most)
 
     @property
     def url(self) -> str:
@@ -54,6 +57,10 @@ class FaultProxy:
 
     def resume(self) -> None:
         self._flowing.set()
+
+    def hold(self) -> None:
+        """A partition: nothing more is relayed either way, and no connection is closed, until `resume`."""
+        self._flowing.clear()
 
     def cut(self) -> None:
         """Ends every connection now, dropping what is held, as a killed process's peer sees it: the
@@ -119,6 +126,8 @@ class FaultProxy:
 
     async def _write(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         if data:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
             writer.write(data)
             await writer.drain()
 

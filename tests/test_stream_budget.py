@@ -8,6 +8,7 @@ import collections
 import json
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -15,7 +16,16 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_server.payload import FIRST_CHUNKS_BYTES, ItemPayload
-from encoder_server.streams import CALL_BYTES, CALL_STATE_BYTES, EVICT_AFTER_S, StreamLimits
+from encoder_common.errors import OverloadedError
+from encoder_server.streams import (
+    CALL_BYTES,
+    CALL_STATE_BYTES,
+    CONNECTION_SHARE,
+    EVICT_AFTER_S,
+    StreamBudget,
+    StreamCut,
+    StreamLimits,
+)
 from protos import encoder_pb2 as pb
 from protos import wire
 from receiver import EncoderReceiver
@@ -149,6 +159,116 @@ async def test_a_connection_that_reads_is_served_from_the_quarter_never_readers_
                 await channel.close()
 
 
+async def never_reading_waves(channels: list[grpc.aio.Channel], waves: int, per_wave: int) -> list:
+    """Waves of never-reading calls for distinct items, each wave once the one before has read nothing for
+    EVICT_AFTER_S (so a call needing room may cut them); returns the calls."""
+    calls = []
+    for wave in range(waves):
+        opened, _ = await open_unread(channels, range(1000 + per_wave * wave, 1000 + per_wave * (wave + 1)))
+        calls += opened
+        await asyncio.sleep(EVICT_AFTER_S + 0.2)
+    return calls
+
+
+async def served_afresh(server, width: int) -> float:
+    """Seconds a reader on a connection of its own (one that has read nothing yet) takes to be served
+    one item in full, back-offs after RESOURCE_EXHAUSTED included."""
+    started = time.perf_counter()
+    async with EncoderReceiver([server.url], timeout=30) as rx:
+        result = await rx.encode(f"fresh-{width}", [{"data": image_bytes(width, 8)}])
+    assert torch.equal(result.items[0].embedding, server.encoder.output(width).embedding)
+    return time.perf_counter() - started
+
+
+@pytest.mark.parametrize("connections", [1, 200], ids=["on-one-connection", "on-200-connections"])
+async def test_never_reading_streams_do_not_lock_a_fresh_connection_out(default_model_dir, connections):
+    """200 never-reading streams, on one connection or each on its own, left open: every fresh reader is
+    served within seconds, one connection never holds more than its share, the budget never passes."""
+    async with small_budget_server_at(default_model_dir, stall_timeout_s=3600.0) as server:
+        budget, full = server.streams, server.streams.limits.max_bytes
+        target = f"127.0.0.1:{server.port}"
+        channels = [grpc.aio.insecure_channel(target, options=NEVER_READS) for _ in range(connections)]
+        try:
+            calls = await never_reading_waves(channels, waves=5, per_wave=40)
+            assert budget.stalled >= 3 and budget.leftover > 0  # the unread streams were cut, and left their chunks
+            if connections == 1:
+                (peer,) = [p for p in budget._by_peer if budget.held_by(p) >= budget.leftover]
+                assert budget.held_by(peer) <= full // CONNECTION_SHARE, (budget.held_by(peer), full)
+            for width in (11, 12, 13):  # each on a connection of its own that has read nothing
+                assert await served_afresh(server, width) < 10.0
+                calls += (await open_unread(channels, range(2000 + width * 40, 2000 + width * 40 + 40)))[0]
+            assert budget.peak <= full
+            for call in calls:
+                call.cancel()
+            assert await wait_until(lambda: budget.held == budget.leftover == 0, timeout=30), budget.held
+        finally:
+            for channel in channels:
+                await channel.close()
+
+
+async def test_one_connection_holds_half_the_budget_and_cut_leftovers_leave_the_rest_to_fresh_connections():
+    budget = StreamBudget(StreamLimits(max_bytes=8 * CALL_BYTES))
+    pending: list[asyncio.Future] = []
+
+    async def call(peer: str, cut_after: asyncio.Event | None = None) -> None:
+        async with budget.call(peer):
+            if cut_after is None:
+                await asyncio.Event().wait()  # a call in progress, until cancelled
+            await cut_after.wait()
+            # Cut while a 1 MiB chunk was pending inside gRPC: the call keeps holding it until the chunk goes.
+            pending.append(asyncio.get_running_loop().create_future())
+            raise StreamCut(pending[-1], wire.CHUNK_BYTES, "cut in a test")
+
+    async def admitted(peer: str, n: int, cut_after: asyncio.Event | None = None) -> list[asyncio.Task]:
+        tasks = [asyncio.ensure_future(call(peer, cut_after)) for _ in range(n)]
+        await asyncio.sleep(0.05)
+        return [task for task in tasks if not task.done() or task.exception() is None]
+
+    # A never-reading connection with any number of streams holds half the budget at most.
+    cut = asyncio.Event()
+    stalled = await admitted("ipv4:10.0.0.1:1000", 20, cut)
+    cut_calls = list(stalled)
+    assert len(stalled) == 8 // CONNECTION_SHARE and budget.held_by("ipv4:10.0.0.1:1000") == 4 * CALL_BYTES
+    # Cut, its streams hold what they left in gRPC and no more calls of it fit, but a fresh connection's do.
+    cut.set()
+    await asyncio.sleep(0.05)
+    assert budget.leftover == budget.held == 4 * (CALL_STATE_BYTES + wire.CHUNK_BYTES)
+    assert not await admitted("ipv4:10.0.0.1:1000", 1)
+    # Many connections' leftovers past three quarters of the budget: a fresh one is admitted while the whole has room.
+    more = asyncio.Event()
+    for port in range(1001, 1004):
+        cut_calls += await admitted(f"ipv4:10.0.0.1:{port}", 1, more)
+    more.set()
+    await asyncio.sleep(0.05)
+    assert budget.leftover > 6 * CALL_BYTES  # three quarters
+    (fresh,) = await admitted("ipv4:10.0.0.2:2000", 1)
+    assert not await admitted("ipv4:10.0.0.2:2001", 1)  # and once the whole budget is held, nobody
+    with pytest.raises(OverloadedError, match="this one holds 0"):
+        async with budget.call("ipv4:10.0.0.2:2002"):
+            pass
+    fresh.cancel()
+    for write in pending:
+        write.set_result(None)  # the chunks go: the cut calls end with RESOURCE_EXHAUSTED
+    await asyncio.sleep(0.05)
+    # A connection that reads holds three quarters at most, so even once all its streams are cut, what
+    # they leave inside gRPC lets a fresh connection in.
+    budget._read_to_the_end("ipv4:10.0.0.3:3000")
+    late_cut = asyncio.Event()
+    reading = await admitted("ipv4:10.0.0.3:3000", 8, late_cut)
+    assert len(reading) == 6, len(reading)
+    cut_calls += reading
+    late_cut.set()
+    await asyncio.sleep(0.05)
+    assert budget.leftover == budget.held == 6 * (CALL_STATE_BYTES + wire.CHUNK_BYTES)
+    (fresh,) = await admitted("ipv4:10.0.0.2:2003", 1)
+    fresh.cancel()
+    for write in pending[-6:]:
+        write.set_result(None)
+    ended = await asyncio.gather(*cut_calls, return_exceptions=True)
+    assert all(isinstance(end, OverloadedError) and "the stream was cut" in str(end) for end in ended)
+    assert budget.held == budget.leftover == 0 and not budget._by_peer
+
+
 async def test_over_long_free_text_fields_are_refused_naming_the_field(small_budget_server):
     server = small_budget_server
     request = encode_request("x" * 1_000_000)
@@ -180,15 +300,19 @@ def test_the_stalled_clients_script_holds_its_checks_on_a_small_run(default_mode
     assert not summary["reader_failed"] and not summary["health_not_serving"]
 
 
-def test_a_payload_starts_with_small_chunks_and_one_left_half_sent_keeps_chunks_only():
+def test_a_payload_starts_with_small_chunks_for_a_connection_not_known_to_read_and_one_left_half_sent_keeps_chunks_only():
     tensor = torch.arange(3 * MiB // 4, dtype=torch.int32)  # 3 MiB
     payload = ItemPayload(pb.ItemHeader(), [tensor])
-    reader = payload.chunks()
+    reader = payload.chunks(small_first=True)
     sizes = [len(wire.parse_response(next(reader))) for _ in range(3)]
-    assert sizes == [*FIRST_CHUNKS_BYTES, wire.CHUNK_BYTES]
+    assert sizes == [*FIRST_CHUNKS_BYTES, MiB - sum(FIRST_CHUNKS_BYTES)]
     payload.finish_framing()  # the stream stopped after three chunks
     assert payload._parts is None  # the tensor is let go: the chunks hold the payload, once
     rest = list(reader)  # a caller still streaming it gets the remaining chunks all the same
     sizes += [len(wire.parse_response(chunk)) for chunk in rest]
-    assert sizes == [32 << 10, 64 << 10, MiB, MiB, MiB - (96 << 10)]
-    assert b"".join(bytes(wire.parse_response(c)) for c in payload.chunks()) == tensor.numpy().tobytes()
+    assert sizes == [32 << 10, 64 << 10, MiB - (96 << 10), MiB, MiB]
+    # A connection that reads gets the kept 1 MiB chunks from the first; both carry the same bytes.
+    assert [len(wire.parse_response(c)) for c in payload.chunks()] == [MiB] * 3
+    for small_first in (True, False):
+        data = b"".join(bytes(wire.parse_response(c)) for c in payload.chunks(small_first=small_first))
+        assert data == tensor.numpy().tobytes()

@@ -1,0 +1,524 @@
+"""A soak and chaos run: a fleet of encoder servers on this machine under mixed load while a seeded
+fault schedule lands, every request checked against its invariants and recorded in a history, the
+processes' resources sampled and fitted for slope.
+
+The fleet: `--encoders` server processes (the real server, shared memory on, a stand-in tower whose
+output for an image is a pseudo-random tensor seeded by the image's width, of 16 to 1792 tokens x 1024
+bf16, so that a reference computes every item's embedding exactly), each behind a relay
+(testkit.fault_proxy) that can partition or slow its link and follows it across restarts; two prefill
+nodes, each an `EncoderReceiver` over all of them (one over shared memory, one over the gRPC stream).
+
+The workload (`--workers` at once): requests of one to four items, Zipf-repeated widths from a pool
+and fresh ones, PNG and JPEG of many sizes, precomputed embeddings mixed in, now and then a hostile item (bytes that are no image, a
+truncated PNG) and a call cancelled part-way; every request has a deadline.
+
+The faults, one at a time at seeded random moments on a seeded random encoder, each held a few
+seconds, every kind once per round in a seeded order: kill -9 and restart, SIGSTOP/SIGCONT, a partition that drops nothing and closes nothing
+(the relay holds), a slow link, a graceful drain (SIGTERM) and restart, shared memory that runs out
+(the segments live on a small tmpfs, filled up), an encoder whose forwards fail.
+
+Invariants, per request: each returned embedding equals its item's reference, in its slot (`wrong`);
+each request ends with a result, a typed error (`EncoderError`) or its own cancellation within its
+deadline and a grace (`lost`: anything else, or later); repeats served from a cache (`cache_hits`).
+Resources per process every `--sample-s`: RSS, file descriptors, threads, and for the servers the
+calls open, the stream budget's bytes, leases held (a tenth of the calls ask for a lease nobody
+fetches) and segments outstanding; segment files in the shared-memory directory; slopes fitted per
+process lifetime (least squares, per hour).
+
+    .venv/bin/python scripts/soak.py --duration-s 3600 --seed 7 --json soak.json
+
+Prints one JSON summary line; exits 1 when anything was wrong or lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from encoder_server.models import ImageEmbedding, PreparedImage  # noqa: E402
+from testkit.encoders import EncoderDouble  # noqa: E402
+
+HIDDEN = 1024
+FAULTS = ("kill9", "sigstop", "partition", "slow_link", "drain", "shm_full", "errors")
+SHM_TMPFS_BYTES = 48 << 20
+
+
+def tokens_for(width: int) -> int:
+    """Tokens of an image `width` wide: mostly 16-255 (32-510 KiB), one width in 97 a 1792-token item (3.5 MiB)."""
+    return 1792 if width % 97 == 0 else 16 + (width * 37) % 240
+
+
+class SoakEncoder(EncoderDouble):
+    """Made-up outputs of a size and content fixed by the image's width; forwards fail while `fail_file` exists."""
+
+    def __init__(self, fail_file: Path | None = None):
+        super().__init__(tokens=1, hidden_size=HIDDEN, dtype=torch.bfloat16)
+        self.fail_file = fail_file
+
+    def _made_up_preprocess(self, image) -> PreparedImage:
+        n = tokens_for(image.width)
+        return PreparedImage(torch.tensor([image.width]), (1, 2, 2 * n), num_tokens=n, num_patches=4 * n)
+
+    def encode(self, batch):
+        if self.fail_file is not None and self.fail_file.exists():
+            raise RuntimeError("soak: this encoder's forwards fail now")
+        return super().encode(batch)
+
+    def output(self, width: int) -> ImageEmbedding:
+        generator = torch.Generator().manual_seed(width)
+        return ImageEmbedding(torch.randn((tokens_for(width), HIDDEN), generator=generator).to(torch.bfloat16))
+
+
+def serve(fail_file: str) -> None:
+    """One encoder server process of the fleet, until SIGTERM (then it drains, as a rolling update does).
+    Every second it writes what it holds (calls open, stream budget, leases, segments) beside `fail_file`."""
+    import logging
+
+    from encoder_common.malloc import tune_server_malloc
+    from encoder_server.leases import LeaseConfig
+    from encoder_server.server import EncoderServer
+    from encoder_server.shm import ShmConfig
+    from testkit.servers import server_config
+
+    logging.basicConfig(level=logging.WARNING)
+    tune_server_malloc()
+
+    async def run() -> None:
+        config = server_config(REPO / "no-checkpoint", dtype=torch.bfloat16, grace_seconds=3.0,
+                               shm=ShmConfig(max_bytes=32 << 20), cache_bytes=256 << 20,
+                               leases=LeaseConfig(max_bytes=32 << 20, max_ttl_s=5.0))  # fmt: skip
+        server = EncoderServer(config, encoder=SoakEncoder(Path(fail_file)))
+        await server.start()
+        asyncio.get_running_loop().create_task(write_stats(server, Path(fail_file).with_suffix(".stats")))
+        stopping = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
+        print(f"ready on 127.0.0.1:{server.port}", flush=True)
+        await stopping.wait()
+        await server.stop(grace=3.0)
+
+    asyncio.run(run())
+
+
+async def write_stats(server, path: Path) -> None:
+    while True:
+        stats = {
+            "calls_open": server.streams.open_calls,
+            "stream_bytes_held": server.streams.held,
+            "leases": len(server.leases._leases) if server.leases is not None else 0,  # noqa: SLF001
+            "shm_segments": len(server.shm.outstanding()) if server.shm is not None else 0,
+        }
+        path.with_suffix(".tmp").write_text(json.dumps(stats))
+        path.with_suffix(".tmp").replace(path)
+        await asyncio.sleep(1.0)
+
+
+# The driver.
+
+
+@dataclass
+class Encoder:
+    """One server process of the fleet and the relay in front of it."""
+
+    index: int
+    workdir: Path
+    proxy: object = None
+    launched: object = None
+    lives: int = 0
+
+    @property
+    def fail_file(self) -> Path:
+        return self.workdir / f"fail-{self.index}"
+
+    def held(self) -> dict:
+        """What the server last said it holds (see `write_stats`); empty while it is down or stopped."""
+        try:
+            return json.loads(self.fail_file.with_suffix(".stats").read_text()) if self.pid is not None else {}
+        except (OSError, ValueError):
+            return {}
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.launched is None or self.launched.process.poll() is not None else self.launched.process.pid
+
+    async def start(self) -> None:
+        from testkit.launcher import start_process
+
+        self.lives += 1
+        argv = [sys.executable, __file__, "--serve", str(self.fail_file)]
+        log = self.workdir / f"encoder-{self.index}-{self.lives}.log"
+        self.launched = await asyncio.to_thread(start_process, argv, log)
+        self.proxy.target_port = self.launched.port
+
+    def signal(self, signum: int) -> None:
+        if self.pid is not None:
+            os.kill(self.pid, signum)
+
+    async def wait_exit(self, timeout_s: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(self.launched.process.wait, timeout_s)
+        self.launched.stop()
+
+
+@dataclass
+class History:
+    requests: list[dict] = field(default_factory=list)
+    faults: list[dict] = field(default_factory=list)
+    samples: list[dict] = field(default_factory=list)
+
+
+class Workload:
+    """Items: Zipf-repeated images from a pool, fresh ones (new bytes: the cache has not seen them), hostile ones."""
+
+    def __init__(self, rng: random.Random, pool: int):
+        self.rng = rng
+        self.pool = [(28 + (i * 53) % 1400, 0) for i in range(pool)]  # (width, seed): repeated images
+        self.weights = [1 / (rank + 1) for rank in range(pool)]
+        self.fresh_seed = 0
+        self.seen: set[tuple[int, int]] = set()
+
+    def item(self) -> tuple[str, tuple[int, int] | None, bytes]:
+        """(kind, (width, seed) or None for a hostile item, the item's bytes). The reference output
+        depends on the width alone; the seed makes the bytes (and the cache key) new."""
+        from testkit.images import image_bytes
+
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.06:  # embedded elsewhere: the receiver checks it and passes it through in its slot
+            return "precomputed", (rng.randrange(28, 1400), -1), b""
+        if roll < 0.1:
+            return "hostile", None, rng.choice([b"not an image at all", image_bytes(64, 64)[:300], b"\x89PNG\r\n\x1a\n" + bytes(50)])
+        if roll < 0.7:
+            image = rng.choices(self.pool, self.weights)[0]
+        else:
+            self.fresh_seed += 1
+            image = (rng.randrange(28, 1400), self.fresh_seed)
+        kind = "repeat" if image in self.seen else "first"
+        self.seen.add(image)
+        width, seed = image
+        height = max(8, width // 100) + rng.choice([0, 8, 20])  # within the servers' aspect-ratio limit
+        return kind, image, image_bytes(width, height, seed=seed, fmt=rng.choice(["PNG", "JPEG"]))
+
+
+def fitted_slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, value) points, per hour."""
+    n = len(points)
+    if n < 3:
+        return 0.0
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    return 0.0 if var == 0 else 3600 * sum((t - mean_t) * (v - mean_v) for t, v in points) / var
+
+
+def proc_stats(pid: int) -> dict | None:
+    try:
+        status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+        return {
+            "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+            "threads": int(status["Threads"]),
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        }
+    except (FileNotFoundError, ProcessLookupError, KeyError):
+        return None
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, workdir: Path, shm_dir: Path, tmpfs: bool):
+        self.args = args
+        self.workdir = workdir
+        self.shm_dir = shm_dir
+        self.tmpfs = tmpfs
+        self.rng = random.Random(args.seed)
+        self.history = History()
+        self.encoders = [Encoder(i, workdir) for i in range(args.encoders)]
+        self.reference = SoakEncoder()
+        self.active_faults = 0
+        self.stop = asyncio.Event()
+        self.started = time.monotonic()
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    async def run(self) -> dict:
+        from receiver import EncoderReceiver
+        from testkit.fault_proxy import FaultProxy
+
+        for encoder in self.encoders:
+            encoder.proxy = FaultProxy(0)
+            await encoder.proxy.start()
+        await asyncio.gather(*(encoder.start() for encoder in self.encoders))
+        urls = [encoder.proxy.url for encoder in self.encoders]
+        nodes = {
+            # Placed by content key, so that a repeated image goes to the encoder that has it cached.
+            "node-a-shm": EncoderReceiver(urls, transfer="auto", seed=self.args.seed, timeout=self.args.deadline_s,
+                                          placement="affinity"),
+            "node-b-stream": EncoderReceiver(urls, transfer="grpc", seed=self.args.seed + 1,
+                                             timeout=self.args.deadline_s, placement="affinity"),
+        }
+        workload = Workload(random.Random(self.args.seed + 2), self.args.pool)
+        try:
+            tasks = [asyncio.ensure_future(self.worker(i, nodes, workload)) for i in range(self.args.workers)]
+            tasks += [asyncio.ensure_future(self.faults()), asyncio.ensure_future(self.sample())]
+            await asyncio.sleep(self.args.duration_s)
+            self.stop.set()
+            await asyncio.gather(*tasks)
+        finally:
+            for node in nodes.values():
+                await node.close()
+            for encoder in self.encoders:
+                encoder.proxy.resume()
+                encoder.signal(signal.SIGCONT)
+            await asyncio.gather(*(asyncio.to_thread(e.launched.stop, 5) for e in self.encoders if e.launched))
+            for encoder in self.encoders:
+                await encoder.proxy.close()
+        return self.summary()
+
+    async def worker(self, index: int, nodes: dict, workload: Workload) -> None:
+        from encoder_common.errors import EncoderError
+
+        rng = random.Random(self.args.seed * 1000 + index)
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            node_name = rng.choice(sorted(nodes))
+            items = [workload.item() for _ in range(rng.choice([1, 1, 1, 2, 3, 4]))]
+            record = {"id": f"w{index}-{n}", "node": node_name, "items": [[kind, image] for kind, image, _ in items],
+                      "start": round(self.now(), 3), "during_fault": self.active_faults > 0}  # fmt: skip
+            cancel_after = rng.uniform(0.0, 0.3) if rng.random() < 0.05 else None
+            sent = [
+                {"precomputed_embedding": self.reference.output(image[0]).embedding} if kind == "precomputed" else {"data": data}
+                for kind, image, data in items
+            ]
+            # Some calls ask for leases that nobody fetches: they must expire, not pile up.
+            lease_ms = 2000 if rng.random() < 0.1 else None
+            call = asyncio.ensure_future(nodes[node_name].encode(record["id"], sent, lease_ms=lease_ms))
+            started = time.monotonic()
+            try:
+                if cancel_after is not None:
+                    done, _ = await asyncio.wait([call], timeout=cancel_after)
+                    if not done:
+                        call.cancel()
+                result = await asyncio.wait_for(call, self.args.deadline_s + self.args.grace_s)
+                record["outcome"] = "ok"
+                record.update(self.check(items, result))
+            except asyncio.CancelledError:
+                if cancel_after is None or not call.cancelled():
+                    raise
+                record["outcome"] = "cancelled"
+            except asyncio.TimeoutError:
+                record["outcome"] = "lost: no answer within the deadline and its grace"
+            except EncoderError as exc:
+                record["outcome"] = "typed_error"
+                record["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            except Exception as exc:  # noqa: BLE001 - anything untyped is a finding
+                record["outcome"] = f"lost: untyped {type(exc).__name__}"
+                record["error"] = str(exc)[:300]
+            record["seconds"] = round(time.monotonic() - started, 4)
+            if record["outcome"] in ("ok", "typed_error") and record["seconds"] > self.args.deadline_s + self.args.grace_s:
+                record["outcome"] = "lost: ended after the deadline and its grace"
+            self.history.requests.append(record)
+            if any(kind == "hostile" for kind, _, _ in items) and record["outcome"] == "ok":
+                record["outcome"] = "wrong: a hostile item was answered"
+
+    def check(self, items: list, result) -> dict:
+        wrong, hits, repeats = 0, 0, 0
+        for (kind, (width, _), _), item in zip(items, result.items, strict=True):
+            expected = self.reference.output(width).embedding
+            if item.embedding.shape != expected.shape or not torch.equal(item.embedding.cpu(), expected):
+                wrong += 1
+            if kind == "repeat":
+                repeats += 1
+                hits += bool(item.cache_hit)
+        return {"wrong": wrong, "repeats": repeats, "cache_hits": hits}
+
+    async def faults(self) -> None:
+        rng = self.rng
+        kinds = [kind for kind in FAULTS if kind != "shm_full" or self.tmpfs]
+        deck: list[str] = []  # every kind once per round, in a seeded order
+        while not self.stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), rng.uniform(*self.args.fault_gap_s))
+            if self.stop.is_set():
+                return
+            if not deck:
+                deck = rng.sample(kinds, len(kinds))
+            kind, encoder, hold_s = deck.pop(), rng.choice(self.encoders), rng.uniform(*self.args.fault_hold_s)
+            fault = {"kind": kind, "encoder": encoder.index, "start": round(self.now(), 3)}
+            self.active_faults += 1
+            try:
+                await self.land(kind, encoder, hold_s)
+            except Exception as exc:  # noqa: BLE001 - the schedule goes on; the history says what failed
+                fault["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                self.active_faults -= 1
+            fault["end"] = round(self.now(), 3)
+            self.history.faults.append(fault)
+
+    async def land(self, kind: str, encoder: Encoder, hold_s: float) -> None:
+        if kind == "kill9":
+            encoder.signal(signal.SIGKILL)
+            await encoder.wait_exit(5)
+            await asyncio.sleep(hold_s)
+            await encoder.start()
+        elif kind == "sigstop":
+            encoder.signal(signal.SIGSTOP)
+            await asyncio.sleep(hold_s)
+            encoder.signal(signal.SIGCONT)
+        elif kind == "partition":
+            encoder.proxy.hold()
+            await asyncio.sleep(hold_s)
+            encoder.proxy.resume()
+        elif kind == "slow_link":
+            encoder.proxy.delay_s = 0.005  # ~13 MB/s
+            await asyncio.sleep(hold_s)
+            encoder.proxy.delay_s = 0.0
+        elif kind == "drain":
+            encoder.signal(signal.SIGTERM)
+            await encoder.wait_exit(15)
+            await encoder.start()
+        elif kind == "shm_full":
+            filler = self.shm_dir / "soak-filler"
+            free = os.statvfs(self.shm_dir)
+            with contextlib.suppress(OSError):  # fills it up to the last byte, as another tenant would
+                with open(filler, "wb") as f:
+                    f.write(bytes(free.f_bavail * free.f_frsize))
+            await asyncio.sleep(hold_s)
+            filler.unlink(missing_ok=True)
+        elif kind == "errors":
+            encoder.fail_file.touch()
+            await asyncio.sleep(hold_s)
+            encoder.fail_file.unlink(missing_ok=True)
+
+    async def sample(self) -> None:
+        me = os.getpid()
+        while not self.stop.is_set():
+            sample = {"t": round(self.now(), 1), "shm_files": len(list(self.shm_dir.iterdir())), "procs": {}}
+            for name, pid, life in [("driver", me, 1)] + [(f"encoder-{e.index}", e.pid, e.lives) for e in self.encoders]:
+                if pid is not None and (stats := proc_stats(pid)) is not None:
+                    sample["procs"][f"{name}#{life}"] = stats
+            for encoder in self.encoders:
+                if encoder.pid is not None and (held := encoder.held()):
+                    sample["procs"][f"encoder-{encoder.index}#{encoder.lives}"].update(held)
+            self.history.samples.append(sample)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), self.args.sample_s)
+
+    def summary(self) -> dict:
+        requests = self.history.requests
+        outcomes = collections.Counter(r["outcome"] for r in requests)
+        ok = [r for r in requests if r["outcome"] == "ok"]
+
+        def p99(rows: list[dict]) -> float | None:
+            seconds = sorted(r["seconds"] for r in rows)
+            return None if not seconds else round(seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))], 3)
+
+        def hit_rate(rows: list[dict]) -> float | None:
+            repeats = sum(r["repeats"] for r in rows)
+            return None if not repeats else round(sum(r["cache_hits"] for r in rows) / repeats, 3)
+
+        # Slopes per process lifetime, after its first minute (or third of the run) of warming up.
+        warm = min(60.0, self.args.duration_s / 3)
+        series: dict[str, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
+        first_seen: dict[str, float] = {}
+        for sample in self.history.samples:
+            for proc, stats in sample["procs"].items():
+                first_seen.setdefault(proc, sample["t"])
+                if sample["t"] - first_seen[proc] >= warm:
+                    for key, value in stats.items():
+                        series[proc][key].append((sample["t"], value))
+            if sample["t"] >= warm:
+                series["shm_dir"]["files"].append((sample["t"], sample["shm_files"]))
+        slopes = {
+            proc: {
+                key: {"per_h": round(fitted_slope(points), 2), "min": min(v for _, v in points), "max": max(v for _, v in points)}
+                for key, points in by.items()
+            } | {"samples": len(next(iter(by.values()))), "seconds": round(by[next(iter(by))][-1][0] - by[next(iter(by))][0][0])}
+            for proc, by in series.items() if by and len(next(iter(by.values()))) >= 3
+        }  # fmt: skip
+        last = self.history.samples[-1] if self.history.samples else {}
+        return {
+            "seconds": round(self.now(), 1),
+            "seed": self.args.seed,
+            "encoders": self.args.encoders,
+            "requests": len(requests),
+            "items": sum(len(r["items"]) for r in requests),
+            "outcomes": dict(outcomes),
+            "items_checked": sum(len(r["items"]) for r in ok),
+            "wrong": sum(r.get("wrong", 0) for r in requests) + outcomes.get("wrong: a hostile item was answered", 0),
+            "lost": sum(count for outcome, count in outcomes.items() if outcome.startswith("lost")),
+            "repeats_checked": sum(r.get("repeats", 0) for r in ok),
+            "repeat_cache_hits": sum(r.get("cache_hits", 0) for r in ok),
+            "repeat_hit_rate_outside_faults": hit_rate([r for r in ok if not r["during_fault"]]),
+            "repeat_hit_rate_during_faults": hit_rate([r for r in ok if r["during_fault"]]),
+            "faults": dict(collections.Counter(f["kind"] for f in self.history.faults)),
+            "fault_errors": [f for f in self.history.faults if "error" in f],
+            "p99_s_during_faults": p99([r for r in ok if r["during_fault"]]),
+            "p99_s_outside_faults": p99([r for r in ok if not r["during_fault"]]),
+            "slopes": slopes,
+            "shm_files_at_end": last.get("shm_files"),
+            "shm_tmpfs": self.tmpfs,
+        }
+
+
+@contextlib.contextmanager
+def small_shm_dir(workdir: Path) -> tuple[Path, bool]:
+    """A small tmpfs standing in for /dev/shm when this process may mount one (root), else a plain directory."""
+    path = workdir / "shm"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SHM_TMPFS_BYTES}", "tmpfs", str(path)],
+                             capture_output=True).returncode == 0  # fmt: skip
+    try:
+        yield path, mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration-s", type=float, default=120.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--encoders", type=int, default=3)
+    p.add_argument("--workers", type=int, default=4, help="requests in flight at once")
+    p.add_argument("--pool", type=int, default=300, help="widths repeated, Zipf-weighted")
+    p.add_argument("--deadline-s", type=float, default=10.0)
+    p.add_argument("--grace-s", type=float, default=5.0, help="past the deadline, a request not ended is lost")
+    p.add_argument("--fault-gap-s", type=float, nargs=2, default=(3.0, 8.0), help="pause between faults, min max")
+    p.add_argument("--fault-hold-s", type=float, nargs=2, default=(2.0, 8.0), help="how long a fault lasts, min max")
+    p.add_argument("--sample-s", type=float, default=3.0)
+    p.add_argument("--json", type=Path, help="write the summary and the whole history here")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp, small_shm_dir(Path(tmp)) as (shm_dir, tmpfs):
+        os.environ["ENCODER_SHM_DIR"] = str(shm_dir)  # the servers (children) and the receivers
+        soak = Soak(args, Path(tmp), shm_dir, tmpfs)
+        summary = asyncio.run(soak.run())
+        if args.json:
+            history = soak.history
+            args.json.write_text(json.dumps({"summary": summary, "requests": history.requests,
+                                             "faults": history.faults, "samples": history.samples}))  # fmt: skip
+    print(json.dumps(summary), flush=True)
+    sys.exit(0 if summary["wrong"] == 0 and summary["lost"] == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The short soak: scripts/soak.py for about 90 seconds with faults every few seconds, so that every kind
+lands at least once; nothing wrong, nothing lost, every fault landed and undone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from testkit import REPO_ROOT
+
+
+def test_a_short_soak_under_every_fault_keeps_its_invariants(tmp_path):
+    history = tmp_path / "soak.json"
+    run = subprocess.run(
+        [sys.executable, "scripts/soak.py", "--duration-s", "90", "--seed", "11", "--fault-gap-s", "1", "3",
+         "--fault-hold-s", "1", "3", "--json", str(history)],  # fmt: skip
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["wrong"] == 0 and summary["lost"] == 0, summary
+    assert summary["outcomes"]["ok"] >= 100 and summary["items_checked"] >= 200, summary
+    # Hostile items were refused with a typed error, and some calls were cancelled part-way.
+    assert summary["outcomes"].get("typed_error", 0) > 0 and summary["outcomes"].get("cancelled", 0) > 0
+    kinds = {"kill9", "sigstop", "partition", "slow_link", "drain", "errors"} | ({"shm_full"} if summary["shm_tmpfs"] else set())
+    assert kinds <= set(summary["faults"]) and not summary["fault_errors"], summary["faults"]
+    assert summary["repeat_cache_hits"] > 0
+    recorded = json.loads(history.read_text())
+    assert len(recorded["requests"]) == summary["requests"] and recorded["samples"]
+    assert all(r["outcome"] in ("ok", "typed_error", "cancelled") for r in recorded["requests"])
