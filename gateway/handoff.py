@@ -19,21 +19,34 @@ from typing import Any, Protocol
 
 import torch
 
+from encoder_common.families import FAMILIES, family_of
 from receiver.fetch import item_uuid
 from receiver.result import EncodeResult, ItemResult
 
 from .protocol import has_embedding_parts
 
-# Families whose items the gateway hands to vLLM: the Qwen-VL embedding input, image_embeds with its grid.
-FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 
-
-def check_family(family: str) -> None:
-    """Refuses a served family whose embeddings the gateway cannot hand to vLLM, naming why."""
-    if family not in FAMILIES:
+def check_family(family: str, handoff: str) -> None:
+    """Refuses a served family whose embeddings this hand-off cannot give vLLM, naming why; what vLLM takes
+    of each family is its line in encoder_common/families.py."""
+    known = family_of(family)
+    if known is None:
+        raise ValueError(f"the encoders serve family {family!r}, which is none of {sorted(FAMILIES)}")
+    taken = known.vllm
+    if handoff == "inline" and taken.image_embeds is None:
         raise ValueError(
-            f"the encoders serve family {family!r}; encoder-gateway hands vLLM only the Qwen-VL embedding input "
-            f"(image_embeds with image_grid_thw), for families {sorted(FAMILIES)}"
+            f"the encoders serve family {family!r}, whose image_embeds vLLM refuses: the inline hand-off cannot "
+            "carry it; the connector hand-off (--handoff connector) is the one for it"
+        )
+    if handoff == "inline" and taken.image_embeds != "grid":
+        raise ValueError(
+            f"the encoders serve family {family!r}, which vLLM takes as image_embeds {taken.image_embeds!r}; "
+            "encoder-gateway builds only the image_embeds part with image_grid_thw (the Qwen-VL input)"
+        )
+    if handoff == "connector" and not taken.sized_without_image:
+        raise ValueError(
+            f"the encoders serve family {family!r}, whose placeholders vLLM sizes from the raw image; the "
+            "connector hand-off sends only the embedding's metadata, which vLLM sizes the Qwen-VL input from"
         )
 
 
@@ -101,8 +114,14 @@ def leased_part(item: ItemResult) -> dict[str, Any]:
     if item.lease is None:
         raise ValueError(f"item {item.index} was encoded without a lease: nothing names it to the engine")
     if item.deepstack is not None:
-        raise ValueError(f"item {item.index} has deepstack features, which the connector hand-off does not carry")
-    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": _grid(item)}, "uuid": item_uuid(item.lease.key)}
+        raise ValueError(
+            f"item {item.index} has deepstack features, which the connector hand-off does not carry"
+        )
+    return {
+        "type": "image_embeds",
+        "image_embeds": {"image_grid_thw": _grid(item)},
+        "uuid": item_uuid(item.lease.key),
+    }
 
 
 class ConnectorHandoff:
@@ -110,7 +129,10 @@ class ConnectorHandoff:
     it in the chat request; vLLM's EncoderServiceConnector (receiver/vllm_connector.py) fetches it."""
 
     def __init__(self, lease_ttl_s: float):
-        self.encode_options: Mapping[str, Any] = {"lease_ms": int(lease_ttl_s * 1000), "withhold_payloads": True}
+        self.encode_options: Mapping[str, Any] = {
+            "lease_ms": int(lease_ttl_s * 1000),
+            "withhold_payloads": True,
+        }
         self._inline = InlineEmbedsHandoff()
 
     def for_request(self, body: Mapping[str, Any]) -> Handoff:
