@@ -170,18 +170,20 @@ def qwen3_5(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, obj
         Qwen3_5MoeForConditionalGeneration,
     )
 
-    # A linear-attention (Gated DeltaNet) layer and a full-attention one, as the real models alternate them.
+    # A linear-attention (Gated DeltaNet) layer and a full-attention one, as the real models alternate
+    # them; head sizes vLLM's CPU attention runs (64).
+    hidden = 4 * TEXT_HIDDEN
     text = _text_config(
-        TEXT_HIDDEN,
+        hidden,
         vocab_size,
         num_hidden_layers=2,
-        head_dim=TEXT_HIDDEN // 4,
+        head_dim=hidden // 4,
         layer_types=["linear_attention", "full_attention"],
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        rope_parameters=_mrope(TEXT_HIDDEN) | {"mrope_interleaved": True, "partial_rotary_factor": 1.0},
+        linear_key_head_dim=128,  # the real models' (vLLM's CPU Gated DeltaNet kernel refuses 32)
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        rope_parameters=_mrope(hidden) | {"mrope_interleaved": True, "partial_rotary_factor": 1.0},
     )
     config_class, model_class = Qwen3_5Config, Qwen3_5ForConditionalGeneration
     if moe:  # Qwen3.5-35B-A3B and its kin: the same tower before a mixture-of-experts language model
@@ -190,7 +192,7 @@ def qwen3_5(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, obj
         )
         config_class, model_class = Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
     vision = dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT_HIDDEN,
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
         num_position_embeddings=64,
     )  # fmt: skip
     config = config_class(vision_config=vision, text_config=text, **_TOKENS)

@@ -52,9 +52,8 @@ class Tower(VisionEncoder):
     def __init__(self, model_dir: Path, config: PretrainedConfig, device: torch.device, dtype: torch.dtype):
         self.config = config
         self.model_dir = model_dir
-        with default_dtype(
-            dtype
-        ):  # as from_pretrained builds the model: buffers keep the dtype it gives them
+        # Built as from_pretrained builds the model: buffers keep the dtype it gives them.
+        with default_dtype(dtype):
             self.tower, weights = load_vision_module(
                 lambda: self.build(config), model_dir, self.prefixes, device, dtype
             )
