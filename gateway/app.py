@@ -140,7 +140,7 @@ async def _check_encoders(receiver: EncoderReceiver, handoff: str) -> None:
     except EncoderError as exc:
         log.warning("encoders not checked at start-up: %s", exc)
         return
-    check_family(info.family)
+    check_family(info.family, handoff)
     if handoff == "connector" and info.num_deepstack_layers:
         raise ValueError(
             f"the encoders serve {info.family} with {info.num_deepstack_layers} deepstack layers, which the "

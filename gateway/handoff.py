@@ -3,10 +3,11 @@ server accepts (`--enable-mm-embeds`), and the `multi_modal_data` its `LLM.gener
 
 Formats read from vLLM 0.31 to 0.33 (`receiver.vllm_releases.SUPPORTED_VLLM`; gateway/app.py refuses to
 start in front of a vLLM that reports another release): a chat part `{"type": "image_embeds",
-"image_embeds": {"image_embeds": base64(torch.save(tensor)), "image_grid_thw": [t, h, w]}}` (the grid a
-flat list; the tensor loaded with `torch.load(weights_only=True)`); Qwen3-VL's `image_embeds` is the main
-embedding with its deepstack levels concatenated after it along the hidden dimension
-(`[tokens, hidden * (1 + levels)]`).
+"image_embeds": {"image_embeds": base64(torch.save(tensor)), "image_grid_thw": [t, h, w]}}` for the Qwen
+families (the grid a flat list; the tensor loaded with `torch.load(weights_only=True)`), and
+`{"type": "image_embeds", "image_embeds": base64(torch.save(tensor))}` for the families vLLM takes a plain
+tensor of (encoder_common/families.py says which); Qwen3-VL's `image_embeds` is the main embedding with
+its deepstack levels concatenated after it along the hidden dimension (`[tokens, hidden * (1 + levels)]`).
 """
 
 from __future__ import annotations
@@ -19,21 +20,29 @@ from typing import Any, Protocol
 
 import torch
 
+from encoder_common.families import FAMILIES, QWEN_GRID, Family, VllmInput, family_of
 from receiver.fetch import item_uuid
 from receiver.result import EncodeResult, ItemResult
 
 from .protocol import has_embedding_parts
 
-# Families whose items the gateway hands to vLLM: the Qwen-VL embedding input, image_embeds with its grid.
-FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 
-
-def check_family(family: str) -> None:
-    """Refuses a served family whose embeddings the gateway cannot hand to vLLM, naming why."""
-    if family not in FAMILIES:
+def check_family(family: str, handoff: str) -> None:
+    """Refuses a served family whose embeddings this hand-off cannot give vLLM, naming why; what vLLM takes
+    of each family is its line in encoder_common/families.py."""
+    known = family_of(family)
+    if known is None:
+        raise ValueError(f"the encoders serve family {family!r}, which is none of {sorted(FAMILIES)}")
+    taken = known.vllm
+    if handoff == "inline" and taken.image_embeds is None:
         raise ValueError(
-            f"the encoders serve family {family!r}; encoder-gateway hands vLLM only the Qwen-VL embedding input "
-            f"(image_embeds with image_grid_thw), for families {sorted(FAMILIES)}"
+            f"the encoders serve family {family!r}, whose image_embeds vLLM refuses: the inline hand-off cannot "
+            "carry it; the connector hand-off (--handoff connector) is the one for it"
+        )
+    if handoff == "inline" and taken.image_embeds not in INLINE_FORMS:
+        raise ValueError(
+            f"the encoders serve family {family!r}, which vLLM takes as image_embeds {taken.image_embeds!r}; "
+            f"the inline hand-off builds {sorted(INLINE_FORMS)}; the connector hand-off carries it"
         )
 
 
@@ -54,10 +63,21 @@ def serialize_tensor(tensor: torch.Tensor) -> str:
     return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
-def image_embeds_part(item: ItemResult) -> dict[str, Any]:
-    """One item as vLLM's `image_embeds` chat content part."""
-    payload = {"image_embeds": serialize_tensor(engine_embedding(item)), "image_grid_thw": _grid(item)}
-    return {"type": "image_embeds", "image_embeds": payload}
+# The image_embeds forms the inline hand-off builds (VllmInput.image_embeds).
+INLINE_FORMS = frozenset({"grid", "tensor"})
+
+
+def image_embeds_part(item: ItemResult, taken: VllmInput = QWEN_GRID) -> dict[str, Any]:
+    """One item as vLLM's `image_embeds` chat content part, in the form vLLM takes for the family."""
+    tensor = serialize_tensor(engine_embedding(item))
+    if taken.image_embeds == "grid":
+        return {
+            "type": "image_embeds",
+            "image_embeds": {"image_embeds": tensor, "image_grid_thw": _grid(item)},
+        }
+    if taken.image_embeds == "tensor":
+        return {"type": "image_embeds", "image_embeds": tensor}
+    raise ValueError(f"the inline hand-off builds no image_embeds part of the form {taken.image_embeds!r}")
 
 
 def _grid(item: ItemResult) -> list[int]:
@@ -80,7 +100,12 @@ class Handoff(Protocol):
         """The hand-off to use for this request (itself, or another where this one cannot serve it)."""
         ...
 
-    async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]: ...
+    async def content_parts(
+        self, request_id: str, result: EncodeResult, *, family: Family, images: Sequence[bytes]
+    ) -> list[dict[str, Any]]:
+        """The parts for the request's items, for the family the encoders serve; `images` are the items'
+        bytes, as encoded (what vLLM sizes the placeholders from where it must see the image)."""
+        ...
 
 
 class InlineEmbedsHandoff:
@@ -91,18 +116,34 @@ class InlineEmbedsHandoff:
     def for_request(self, body: Mapping[str, Any]) -> Handoff:
         return self
 
-    async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
-        return await asyncio.to_thread(lambda: [image_embeds_part(item) for item in result.items])
+    async def content_parts(
+        self, request_id: str, result: EncodeResult, *, family: Family, images: Sequence[bytes]
+    ) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(
+            lambda: [image_embeds_part(item, family.vllm) for item in result.items]
+        )
 
 
-def leased_part(item: ItemResult) -> dict[str, Any]:
-    """One leased item as a metadata-only `image_embeds` part: its grid, and its lease key as the `uuid`
-    by which an ec_consumer vLLM's EncoderServiceConnector fetches it from the encoders."""
+def leased_part(item: ItemResult, taken: VllmInput = QWEN_GRID, image: bytes | None = None) -> dict[str, Any]:
+    """One leased item named by its lease key as the `uuid`, by which an ec_consumer vLLM's
+    EncoderServiceConnector fetches it from the encoders: a metadata-only `image_embeds` part (its grid)
+    where vLLM sizes the family's placeholders from that, else the raw image (`image`, the bytes encoded),
+    which vLLM's processor sizes them from while its tower does not run."""
     if item.lease is None:
         raise ValueError(f"item {item.index} was encoded without a lease: nothing names it to the engine")
     if item.deepstack is not None:
-        raise ValueError(f"item {item.index} has deepstack features, which the connector hand-off does not carry")
-    return {"type": "image_embeds", "image_embeds": {"image_grid_thw": _grid(item)}, "uuid": item_uuid(item.lease.key)}
+        raise ValueError(
+            f"item {item.index} has deepstack features, which the connector hand-off does not carry"
+        )
+    uuid = item_uuid(item.lease.key)
+    if taken.sized_without_image:
+        return {"type": "image_embeds", "image_embeds": {"image_grid_thw": _grid(item)}, "uuid": uuid}
+    if image is None:
+        raise ValueError(
+            f"item {item.index}: vLLM sizes this family's placeholders from the image; none given"
+        )
+    url = "data:application/octet-stream;base64," + base64.b64encode(image).decode("ascii")
+    return {"type": "image_url", "image_url": {"url": url}, "uuid": uuid}
 
 
 class ConnectorHandoff:
@@ -110,7 +151,10 @@ class ConnectorHandoff:
     it in the chat request; vLLM's EncoderServiceConnector (receiver/vllm_connector.py) fetches it."""
 
     def __init__(self, lease_ttl_s: float):
-        self.encode_options: Mapping[str, Any] = {"lease_ms": int(lease_ttl_s * 1000), "withhold_payloads": True}
+        self.encode_options: Mapping[str, Any] = {
+            "lease_ms": int(lease_ttl_s * 1000),
+            "withhold_payloads": True,
+        }
         self._inline = InlineEmbedsHandoff()
 
     def for_request(self, body: Mapping[str, Any]) -> Handoff:
@@ -119,8 +163,12 @@ class ConnectorHandoff:
         embeddings must have the same keys", `_merge_embeds` in vllm/renderers/chat_utils.py)."""
         return self._inline if has_embedding_parts(body) else self
 
-    async def content_parts(self, request_id: str, result: EncodeResult) -> list[dict[str, Any]]:
-        return [leased_part(item) for item in result.items]
+    async def content_parts(
+        self, request_id: str, result: EncodeResult, *, family: Family, images: Sequence[bytes]
+    ) -> list[dict[str, Any]]:
+        return [
+            leased_part(item, family.vllm, image) for item, image in zip(result.items, images, strict=True)
+        ]
 
 
 HANDOFFS = ("inline", "connector")

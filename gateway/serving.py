@@ -17,6 +17,7 @@ import aiohttp
 import grpc
 
 from encoder_common.errors import EncoderError, InvalidItemError, http_status_for_code
+from encoder_common.families import family_of
 from encoder_common.sources import SourceReader
 from receiver import EncodeFailedError, EncoderReceiver
 
@@ -149,12 +150,16 @@ class ChatCompletionsService:
                 timeout=self.encode_timeout_s,
                 **handoff.encode_options,
             )
+            served = (await self.receiver.served_model()).family  # asked once per receiver
         except EncoderError as exc:
             error = encode_error(exc, parts, self.retry_after_s)
             self.metrics.encode_failed(error.status)
             raise error from None
         encoded = time.perf_counter()
-        new_parts = await handoff.content_parts(request_id, result)
+        family = family_of(served)
+        if family is None:  # the start-up check did not run (encoders down then) and would have refused it
+            raise GatewayError(502, f"the encoders serve family {served!r}, which this gateway does not know")
+        new_parts = await handoff.content_parts(request_id, result, family=family, images=images)
         self.metrics.encoded(len(parts), encoded - started, time.perf_counter() - encoded)
         return replace_parts(body, dict(zip(parts, new_parts)))
 

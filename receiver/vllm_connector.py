@@ -5,7 +5,10 @@ vLLM loads it out of tree: `--ec-transfer-config '{"ec_connector": "EncoderServi
 "ec_connector_module_path": "receiver.vllm_connector", "ec_role": "ec_consumer",
 "ec_connector_extra_config": {"encoders": ["grpc://enc-0:50051"]}}'`. A request names each item by a
 metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fetch.item_uuid`),
-optionally with `ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it.
+optionally with `ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it. For
+families whose placeholders vLLM sizes from the image (LLaVA-NeXT/OneVision, InternVL, Gemma 3, ...) the
+part is the raw image with that `uuid`: vLLM's processor sizes the placeholders, and the embedding is still
+fetched, so vLLM's own tower does not run.
 
 The module imports on any vLLM; when vLLM creates the connector, `check_vllm_contract` refuses a release
 outside the declared range or one lacking a method, signature or type the connector relies on, naming the
@@ -316,8 +319,10 @@ class _SchedulerSide:
         ready = True
         for feature in request.mm_features:
             position = feature.mm_position
-            if position.offset + position.length <= num_computed_tokens or self._carries_input(feature):
-                continue  # already prefilled, or vLLM has the media or tensor to encode itself
+            if position.offset + position.length <= num_computed_tokens:
+                continue  # already prefilled
+            if lease_key(feature.identifier) is None and self._carries_input(feature):
+                continue  # vLLM has the media or tensor to encode itself
             item = self._items.get(feature.identifier)
             if item is None:
                 item = self._start(feature, request)
@@ -333,7 +338,9 @@ class _SchedulerSide:
         return ready
 
     def _carries_input(self, feature: MultiModalFeatureSpec) -> bool:
-        """Whether the item brought something vLLM can run its own encoder on (media or a tensor)."""
+        """Whether the item brought something vLLM can run its own encoder on (media or a tensor). An item
+        named by a lease key is fetched even so: for families whose placeholders vLLM sizes from the image,
+        the request carries the image beside the key, and the embedding still comes from the encoders."""
         data = feature.data
         if not data:
             return False

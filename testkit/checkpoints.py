@@ -25,13 +25,15 @@ _SPECIAL = dict(bos_token_id=254, eos_token_id=255, pad_token_id=0)
 
 def _text_config(hidden_size: int, vocab_size: int, **extra) -> dict:
     return dict(
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab_size,
-        **_SPECIAL,
+        dict(
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=vocab_size,
+            **_SPECIAL,
+        ),
         **extra,
     )
 
@@ -116,6 +118,25 @@ def qwen3_vl(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, ob
     return model_class(config), qwen_processor(16, mean_std=0.5)
 
 
+def _clip_tower(image_size: int, model_type: str = "clip_vision_model") -> dict:
+    """A 3-layer CLIP or SigLIP vision model of width 32, patch 14 (SigLIP without its pooling head, which the
+    VLMs' checkpoints leave out)."""
+    config = dict(
+        model_type=model_type,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        patch_size=14,
+        image_size=image_size,
+    )
+    if model_type == "clip_vision_model":
+        config["projection_dim"] = 32
+    else:
+        config["vision_use_head"] = False
+    return config
+
+
 def llava(
     vocab_size: int,
     *,
@@ -127,16 +148,7 @@ def llava(
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     config = LlavaConfig(
-        vision_config=dict(
-            model_type="clip_vision_model",
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            patch_size=14,
-            image_size=image_size,
-            projection_dim=32,
-        ),
+        vision_config=_clip_tower(image_size),
         text_config=dict(model_type="llama", **_text_config(TEXT_HIDDEN, vocab_size)),
         image_token_index=_TOKENS["image_token_id"],
         image_seq_length=(image_size // 14) ** 2,
@@ -150,12 +162,171 @@ def llava(
     return LlavaForConditionalGeneration(config), processor
 
 
+def qwen3_5(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, object]:
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    # A linear-attention (Gated DeltaNet) layer and a full-attention one, as the real models alternate
+    # them; head sizes vLLM's CPU attention runs (64).
+    hidden = 4 * TEXT_HIDDEN
+    text = _text_config(
+        hidden,
+        vocab_size,
+        num_hidden_layers=2,
+        head_dim=hidden // 4,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=128,  # the real models' (vLLM's CPU Gated DeltaNet kernel refuses 32)
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        rope_parameters=_mrope(hidden) | {"mrope_interleaved": True, "partial_rotary_factor": 1.0},
+    )
+    config_class, model_class = Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    if moe:  # Qwen3.5-35B-A3B and its kin: the same tower before a mixture-of-experts language model
+        text.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        )
+        config_class, model_class = Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden,
+        num_position_embeddings=64,
+    )  # fmt: skip
+    config = config_class(vision_config=vision, text_config=text, **_TOKENS)
+    return model_class(config), qwen_processor(16, mean_std=0.5)
+
+
+# AnyRes resolutions of the tiny LLaVA-NeXT / OneVision checkpoints: multiples of their 56 px tile; the
+# largest gives OneVision more than its `anyres_max_9` tiles, so that it pools them.
+_PINPOINTS = [
+    [56, 112], [112, 56], [112, 112], [56, 168], [168, 56], [112, 168], [168, 112], [168, 168], [224, 224]
+]  # fmt: skip
+
+
+def llava_next(vocab_size: int):
+    """LLaVA-NeXT (1.6): CLIP tiles of an AnyRes grid plus the whole image, newline rows, the CLS token dropped."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    config = LlavaNextConfig(
+        vision_config=_clip_tower(56),
+        text_config=dict(model_type="llama", **_text_config(TEXT_HIDDEN, vocab_size)),
+        image_token_index=_TOKENS["image_token_id"],
+        image_grid_pinpoints=_PINPOINTS,
+        image_seq_length=16,
+        **_SPECIAL,
+    )
+    processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}, image_grid_pinpoints=_PINPOINTS
+    )
+    return LlavaNextForConditionalGeneration(config), processor
+
+
+def llava_onevision(vocab_size: int):
+    """LLaVA-OneVision: SigLIP tiles of an AnyRes grid plus the whole image, newline rows, every token kept,
+    the tiles' features pooled down past `anyres_max_9`."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+
+    config = LlavaOnevisionConfig(
+        vision_config=_clip_tower(56, "siglip_vision_model"),
+        text_config=dict(model_type="qwen2", **_text_config(TEXT_HIDDEN, vocab_size)),
+        image_token_index=_TOKENS["image_token_id"],
+        video_token_index=_TOKENS["video_token_id"],
+        image_grid_pinpoints=_PINPOINTS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        **_SPECIAL,
+    )
+    processor = LlavaOnevisionImageProcessorPil(
+        size={"height": 56, "width": 56}, image_grid_pinpoints=_PINPOINTS
+    )
+    return LlavaOnevisionForConditionalGeneration(config), processor
+
+
+def internvl(vocab_size: int):
+    """InternVL 3/3.5 in the Hugging Face format: 56 px tiles (448 in the real ones) plus a thumbnail, a
+    0.5 pixel shuffle, the CLS token dropped."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    config = InternVLConfig(
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=[56, 56],
+            patch_size=[14, 14],
+        ),
+        text_config=dict(model_type="qwen2", **_text_config(TEXT_HIDDEN, vocab_size)),
+        image_token_id=_TOKENS["image_token_id"],
+        image_seq_length=4,
+        **_SPECIAL,
+    )
+    processor = GotOcr2ImageProcessorPil(
+        size={"height": 56, "width": 56},
+        crop_to_patches=True,
+        min_patches=1,
+        max_patches=12,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+    )
+    return InternVLForConditionalGeneration(config), processor
+
+
+def gemma3(vocab_size: int, *, pan_and_scan: bool = False):
+    """Gemma 3: SigLIP at a fixed size (896 px, 256 tokens in the real ones; here 56 px, 4 tokens), and with
+    pan-and-scan the processor adds crops of a long image, each its own block of tokens."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    text = _text_config(TEXT_HIDDEN, vocab_size, head_dim=TEXT_HIDDEN // 4, sliding_window=64)
+    config = Gemma3Config(
+        vision_config=_clip_tower(56, "siglip_vision_model"),
+        text_config=dict(model_type="gemma3_text", **text),
+        mm_tokens_per_image=4,
+        image_token_index=_TOKENS["image_token_id"],
+        boi_token_index=_TOKENS["vision_start_token_id"],
+        eoi_token_index=_TOKENS["vision_end_token_id"],
+    )
+    processor = Gemma3ImageProcessorPil(
+        size={"height": 56, "width": 56},
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        do_pan_and_scan=pan_and_scan,
+        pan_and_scan_min_crop_size=28,
+        pan_and_scan_max_num_crops=4,
+        pan_and_scan_min_ratio_to_activate=1.2,
+    )
+    return Gemma3ForConditionalGeneration(config), processor
+
+
+# The one place each family's test checkpoint is written: family (encoder_common/families.py) -> builder.
+# A family with MoE checkpoints takes `moe=True`, which `write_checkpoint("<family>_moe", ...)` passes.
 BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, object]]] = {
     "qwen2_vl": qwen2_vl,
     "qwen2_5_vl": qwen2_5_vl,
     "qwen3_vl": qwen3_vl,
+    "qwen3_5": qwen3_5,
     "llava": llava,
+    "llava_next": llava_next,
+    "llava_onevision": llava_onevision,
+    "internvl": internvl,
+    "gemma3": gemma3,
 }
+
+
+def model_types() -> list[str]:
+    """Every model type the transformers backend serves, each of which `write_checkpoint` writes."""
+    from encoder_common.families import FAMILIES
+
+    return [t for family in FAMILIES.values() if family.tower for t in family.model_types]
 
 
 def write_checkpoint(
@@ -168,9 +339,15 @@ def write_checkpoint(
     dtype: torch.dtype = torch.float32,
     **options,
 ) -> Path:
-    """Builds the full tiny VLM of `family` with seeded weights and saves it with its processor."""
+    """Builds the full tiny VLM of `family` (or of one of its model types: "qwen3_vl_moe") with seeded
+    weights and saves it with its processor."""
+    from encoder_common.families import BY_MODEL_TYPE
+
+    name = BY_MODEL_TYPE[family].name
+    if family != name:  # the family's MoE checkpoints
+        options["moe"] = True
     torch.manual_seed(seed)
-    model, processor = BUILDERS[family](vocab_size, **options)
+    model, processor = BUILDERS[name](vocab_size, **options)
     model = model.to(dtype).eval()
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **kwargs)

@@ -22,13 +22,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-PROCESSOR_CLASS = {
-    "qwen2_vl": "Qwen2VLProcessor",
-    "qwen2_5_vl": "Qwen2_5_VLProcessor",
-    "qwen3_vl": "Qwen3VLProcessor",
-    "qwen3_vl_moe": "Qwen3VLProcessor",
-}
-
 
 def special_token_ids(config: dict) -> dict[str, int]:
     """The Qwen special tokens and the ids the checkpoint's config gives them."""
@@ -95,7 +88,10 @@ def write_engine_files(model_dir: str | Path) -> Path:
         )
     )
     (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    processor_class = PROCESSOR_CLASS.get(config.get("model_type", ""))
+    # The processor class transformers' AutoProcessor pairs with the model type.
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    processor_class = PROCESSOR_MAPPING_NAMES.get(config.get("model_type", ""))
     if processor_class is None:
         raise ValueError(f"no processor class known for model_type {config.get('model_type')!r}")
     (model_dir / "processor_config.json").write_text(

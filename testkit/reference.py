@@ -20,8 +20,9 @@ def reference_features(
 ):
     """The full VLM's own get_image_features on each image, run in-process: the ground truth.
 
-    Each output's `.pooler_output` holds the image's embedding (a one-element list or tuple);
-    Qwen3-VL's `.deepstack_features` holds, per deepstack layer, a one-element tuple too.
+    Each output's `.pooler_output` holds the image's embedding: a one-element list or tuple, or per
+    tile or crop (`image_rows` regroups it); Qwen3-VL's `.deepstack_features` holds, per deepstack
+    layer, a one-element tuple too.
     `adapt_model`, when given, is applied to the loaded model first (to reproduce a served variant).
     """
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
@@ -40,3 +41,11 @@ def reference_features(
             pixel_values = inputs.pop("pixel_values").to(dtype)
             outputs.append(model.get_image_features(pixel_values=pixel_values, **inputs))
     return outputs
+
+
+def image_rows(features) -> torch.Tensor:
+    """One image's rows, [tokens, hidden], from its get_image_features output: its per-tile (InternVL) or
+    per-crop (Gemma 3) blocks one after another, in the processor's order, as the engines place them."""
+    pooled = features.pooler_output
+    rows = pooled if isinstance(pooled, torch.Tensor) else torch.cat(list(pooled))
+    return rows.reshape(-1, rows.shape[-1])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import grpc
 import pytest
 import torch
 
+from encoder_common.families import BY_MODEL_TYPE
 from encoder_server.images import decode_image
 from encoder_server.profiles import PROFILES
 from encoder_server.models import load_vision_encoder
@@ -22,39 +24,33 @@ from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc
 from protos.wire import CHUNK_BYTES
 from receiver import EncoderReceiver, ShardError
-from testkit.checkpoints import write_checkpoint
+from testkit.checkpoints import model_types, write_checkpoint
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
-from testkit.reference import reference_features
+from testkit.reference import image_rows, reference_features
 from testkit.servers import running_server
 
-# case -> (family, builder options)
-CASES = {
-    "qwen2_vl": ("qwen2_vl", {}),
-    "qwen2_5_vl": ("qwen2_5_vl", {}),
-    "qwen3_vl": ("qwen3_vl", {}),
-    "qwen3_vl_moe": ("qwen3_vl", {"moe": True}),
-    "llava": ("llava", {}),
+# case -> (model type, builder options): every model type the transformers backend serves, and variants.
+CASES = {model_type: (model_type, {}) for model_type in model_types()} | {
     "llava-two-layers-full": ("llava", {"vision_feature_layer": [-3, -1], "select_strategy": "full"}),
+    "gemma3-pan-and-scan": ("gemma3", {"pan_and_scan": True}),
 }
 
 # (width, height): tiny, square, wide, tall, photo-shaped, and one whose Qwen3-VL payload (embedding
-# plus 2 deepstack layers) spans several wire chunks.
+# plus 2 deepstack layers) spans several wire chunks; most are off every family's grid.
 SIZES = [(1, 1), (64, 64), (320, 96), (96, 320), (500, 375), (800, 600)]
 
-EXPECTED_INFO = {
-    "qwen2_vl": dict(family="qwen2_vl", hidden_size=64, patch_size=14, spatial_merge_size=2, num_deepstack_layers=0),
-    "qwen2_5_vl": dict(family="qwen2_5_vl", hidden_size=64, patch_size=14, spatial_merge_size=2, num_deepstack_layers=0),
-    "qwen3_vl": dict(family="qwen3_vl", hidden_size=256, patch_size=16, spatial_merge_size=2, num_deepstack_layers=2),
-    "llava": dict(family="llava", hidden_size=64, patch_size=14, spatial_merge_size=1, num_deepstack_layers=0),
-}  # fmt: skip
+
+def family_of_case(case: str) -> str:
+    return BY_MODEL_TYPE[CASES[case][0]].name
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {
-        case: write_checkpoint(family, root / case, **options) for case, (family, options) in CASES.items()
+        case: write_checkpoint(model_type, root / case, **options)
+        for case, (model_type, options) in CASES.items()
     }
 
 
@@ -67,7 +63,7 @@ def reference_deepstack(features) -> torch.Tensor | None:
 @pytest.mark.parametrize("case", list(CASES))
 async def test_items_over_two_encoders_equal_get_image_features_fp32(case, checkpoints):
     model_dir = checkpoints[case]
-    family = CASES[case][0]
+    family = family_of_case(case)
     images = [image_bytes(w, h, seed=i) for i, (w, h) in enumerate(SIZES)]
     expected = reference_features(model_dir, images)
     async with running_server(model_dir) as a, running_server(model_dir) as b:
@@ -86,7 +82,7 @@ async def test_items_over_two_encoders_equal_get_image_features_fp32(case, check
     assert torch.equal(torch.cat([i.embedding for i in again.items[1:]]), result.embedding)
     assert {item.encoder_url for item in result.items} == {a.url, b.url}
     for item, features in zip(result.items, expected, strict=True):
-        (embedding,) = features.pooler_output
+        embedding = image_rows(features)
         assert item.embedding.dtype == torch.float32
         torch.testing.assert_close(item.embedding, embedding, rtol=1e-5, atol=1e-5)
         deepstack = reference_deepstack(features)
@@ -95,20 +91,22 @@ async def test_items_over_two_encoders_equal_get_image_features_fp32(case, check
         else:
             assert item.deepstack.shape == (2, *embedding.shape)
             torch.testing.assert_close(item.deepstack, deepstack, rtol=1e-5, atol=1e-5)
+    (width,) = {image_rows(features).shape[-1] for features in expected}
+    deepstacks = [reference_deepstack(features) for features in expected]
+    (layers,) = {0 if deepstack is None else len(deepstack) for deepstack in deepstacks}
     for info in infos.values():
-        for field, value in EXPECTED_INFO[family].items():
-            assert getattr(info, field) == value, field
+        assert (info.family, info.hidden_size, info.num_deepstack_layers) == (family, width, layers)
         assert info.model_type == json.loads((model_dir / "config.json").read_text())["model_type"]
         assert info.dtype == pb.FLOAT32
+        # The token count follows the grid, but where a family packs its tiles (AnyRes: merge 0).
+        if info.spatial_merge_size:
+            for item in result.items:
+                grid_tokens = math.prod(item.grid_thw) // info.spatial_merge_size**2
+                assert item.num_tokens == grid_tokens + info.extra_tokens_per_item
     if family == "llava":
         full = CASES[case][1].get("select_strategy") == "full"
         assert {item.grid_thw for item in result.items} == {(1, 4, 4)}
         assert {item.num_tokens for item in result.items} == {17 if full else 16}
-    else:
-        merge = EXPECTED_INFO[family]["spatial_merge_size"]
-        for item in result.items:
-            t, h, w = item.grid_thw
-            assert item.num_tokens == t * h * w // merge**2
     if family == "qwen3_vl":
         biggest = result.items[-1]
         assert 3 * biggest.embedding.numel() * biggest.embedding.element_size() > CHUNK_BYTES
@@ -155,9 +153,9 @@ def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, che
     encoder = load_vision_encoder(checkpoints[case], "cpu", torch.bfloat16)
     (output,) = encoder.encode([encoder.preprocess(decode_image(images[0]), PROFILES["transformers"])])
     assert output.embedding.dtype == torch.bfloat16
-    assert torch.equal(output.embedding, features.pooler_output[0])
-    bf16_step = 2.0**-8 * stock.pooler_output[0].float().abs().max().item()
-    stock_embedding = stock.pooler_output[0].float()
+    assert torch.equal(output.embedding, image_rows(features))
+    stock_embedding = image_rows(stock).float()
+    bf16_step = 2.0**-8 * stock_embedding.abs().max().item()
     torch.testing.assert_close(output.embedding.float(), stock_embedding, rtol=0, atol=bf16_step)
     deepstack = reference_deepstack(features)
     assert (output.deepstack is None) == (deepstack is None)

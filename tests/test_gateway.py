@@ -241,9 +241,9 @@ async def test_file_urls_only_under_roots(encoder, tmp_path):
 
 
 async def test_start_up_refuses_a_family_vllm_cannot_take_embeddings_of(tmp_path):
-    model_dir = write_checkpoint("llava", tmp_path / "llava")
+    model_dir = write_checkpoint("gemma3", tmp_path / "gemma3")
     async with running_server(model_dir) as server:
-        with pytest.raises(ValueError, match="the encoders serve family 'llava'"):
+        with pytest.raises(ValueError, match="family 'gemma3', whose image_embeds vLLM refuses.*--handoff connector"):
             async with gateway([server.url]):
                 pass
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from encoder_common.families import FAMILIES
 from gateway.app import start
 from gateway.config import GatewayConfig
 from gateway.handoff import ConnectorHandoff, InlineEmbedsHandoff, leased_part
@@ -22,7 +23,7 @@ async def test_leased_parts_name_the_item_and_carry_no_tensor(default_model_dir)
     handoff = ConnectorHandoff(lease_ttl_s=30)
     async with running_server(default_model_dir) as server, EncoderReceiver([server.url]) as receiver:
         result = await receiver.encode("r", [{"data": png}], **handoff.encode_options)
-        (part,) = await handoff.content_parts("r", result)
+        (part,) = await handoff.content_parts("r", result, family=FAMILIES["qwen2_5_vl"], images=[png])
         assert part == {
             "type": "image_embeds",
             "image_embeds": {"image_grid_thw": [1, 6, 8]},

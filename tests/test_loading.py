@@ -12,32 +12,38 @@ import pytest
 import torch
 
 from encoder_server.images import decode_image
-from encoder_server.models import CheckpointError, load_vision_encoder
-from testkit.checkpoints import BUILDERS, rename_prefixes, rewrite_tensors, tensor_names, write_checkpoint
+from encoder_server.models import SUPPORTED_MODEL_TYPES, CheckpointError, load_vision_encoder
+from testkit.checkpoints import model_types, rename_prefixes, rewrite_tensors, tensor_names, write_checkpoint
 from testkit import REPO_ROOT
 from testkit.images import image_bytes
 from testkit.launcher import launch_server
 
-# The layouts real checkpoints of each family store, as renames of what transformers 5.x saves.
-OTHER_LAYOUTS = {
-    "qwen2_vl": [{"visual.": "model.visual."}],
-    "qwen2_5_vl": [{"visual.": "model.visual."}],
-    "qwen3_vl": [{"model.visual.": "visual."}],
-    "llava": [
-        {"vision_tower.": "vision_tower.vision_model."},  # llava-hf on the hub
-        {
-            "vision_tower.": "model.vision_tower.vision_model.",
-            "multi_modal_projector.": "model.multi_modal_projector.",
-        },
-        {"vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."},
-    ],
-}
+# Other layouts real checkpoints store, as renames of what transformers 5.x saves: the Qwen towers
+# under either prefix, and the `vision_tower` / `multi_modal_projector` families as llava-hf and Google
+# publish them (with the CLIP/SigLIP wrapper's `vision_model.` level) or under the in-memory `model.`.
+_TOWER_LAYOUTS = [
+    {"vision_tower.": "vision_tower.vision_model."},
+    {
+        "vision_tower.": "model.vision_tower.vision_model.",
+        "multi_modal_projector.": "model.multi_modal_projector.",
+    },
+    {"vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."},
+]
+
+
+def other_layouts(model_dir) -> list[dict[str, str]]:
+    names = tensor_names(model_dir)
+    if any(name.startswith("visual.") for name in names):
+        return [{"visual.": "model.visual."}]
+    if any(name.startswith("model.visual.") for name in names):
+        return [{"model.visual.": "visual."}]
+    return _TOWER_LAYOUTS
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("loading")
-    return {family: write_checkpoint(family, root / family) for family in BUILDERS}
+    return {model_type: write_checkpoint(model_type, root / model_type) for model_type in model_types()}
 
 
 def copy_of(model_dir, tmp_path):
@@ -49,7 +55,7 @@ def encode_one(encoder, data: bytes):
     return output
 
 
-@pytest.mark.parametrize("family", list(BUILDERS))
+@pytest.mark.parametrize("family", model_types())
 def test_sharded_and_renamed_checkpoints_serve_the_same_weights(family, checkpoints, tmp_path):
     image = image_bytes(90, 60, seed=5)
     single = load_vision_encoder(checkpoints[family], "cpu", torch.float32)
@@ -59,7 +65,7 @@ def test_sharded_and_renamed_checkpoints_serve_the_same_weights(family, checkpoi
     vision_shards = {file for name, file in index.items() if "vis" in name or "projector" in name}
     assert len(vision_shards) > 1, "the vision tensors should span several shards"
     layouts = [sharded]
-    for number, renames in enumerate(OTHER_LAYOUTS[family]):
+    for number, renames in enumerate(other_layouts(sharded)):
         renamed = shutil.copytree(sharded, tmp_path / f"layout-{number}")
         rename_prefixes(renamed, renames)
         names = tensor_names(renamed)
@@ -173,14 +179,14 @@ def test_unsupported_model_type_fails_listing_the_supported_ones(checkpoints, tm
     model_dir = copy_of(checkpoints["llava"], tmp_path)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "fuyu"}))
-    expected = (
-        "unsupported model_type 'fuyu' in {}; supported: llava, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe"
-    )
+    supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+    assert sorted(SUPPORTED_MODEL_TYPES) == sorted(model_types()) and "qwen2_5_vl" in supported
+    expected = f"unsupported model_type 'fuyu' in {model_dir / 'config.json'}; supported: {supported}"
     with pytest.raises(CheckpointError) as raised:
         load_vision_encoder(model_dir, "cpu", torch.float32)
-    assert str(raised.value) == expected.format(model_dir / "config.json")
+    assert str(raised.value) == expected
     # The server process refuses to start with the same message, and exits.
-    with pytest.raises(RuntimeError, match="supported: llava, qwen2_5_vl, qwen2_vl, qwen3_vl, qwen3_vl_moe"):
+    with pytest.raises(RuntimeError, match=f"supported: {supported}"):
         with launch_server(model_dir, "--device", "cpu", log_dir=tmp_path):
             pass
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 
@@ -42,9 +42,11 @@ class PreparedImage:
     """One image after the checkpoint's own image processor, ready for the tower."""
 
     pixel_values: torch.Tensor
-    grid_thw: tuple[int, int, int]  # patch grid before merging; (1, rows, columns) for fixed-size towers
+    grid_thw: tuple[int, int, int]  # patch grid before merging; (tiles, rows, columns) for tiled towers
     num_tokens: int  # what the tower must produce for this image
-    num_patches: int  # rows of pixel_values before merging: the forward's cost unit
+    num_patches: int  # patches the tower runs over for this image: the forward's cost unit
+    # What the tower's call takes per image besides the pixels (LLaVA-NeXT's image_sizes), one row each.
+    tower_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,59 @@
+"""What encoder-gateway hands vLLM, per family, derived from encoder_common/families.py: which hand-off
+refuses which family at start-up, the inline part's form, and the connector part (metadata only where vLLM
+sizes the placeholders from it, else the raw image beside the lease uuid)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+
+from encoder_common.families import FAMILIES
+from gateway.handoff import HANDOFFS, ConnectorHandoff, InlineEmbedsHandoff, check_family
+from receiver import EncoderReceiver
+from receiver.fetch import lease_key
+from testkit.checkpoints import write_checkpoint
+from testkit.images import image_bytes
+from testkit.servers import running_server
+
+
+@pytest.mark.parametrize("handoff", HANDOFFS)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_start_up_check_follows_the_registry(family, handoff):
+    """Inline needs an image_embeds form vLLM takes and the gateway builds; the connector carries every
+    family (deepstack aside, which gateway/app.py refuses from ModelInfo)."""
+    refused = handoff == "inline" and FAMILIES[family].vllm.image_embeds not in ("grid", "tensor")
+    if refused:
+        with pytest.raises(ValueError, match=f"family '{family}'.*connector"):
+            check_family(family, handoff)
+    else:
+        check_family(family, handoff)
+
+
+def test_an_unknown_family_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="'fuyu', which is none of .*'gemma3'"):
+        check_family("fuyu", "inline")
+
+
+async def test_parts_for_families_vllm_sizes_from_the_image(tmp_path):
+    """LLaVA-OneVision: inline, the plain tensor; through the connector, the very bytes encoded as a data
+    URL beside the lease uuid (vLLM's processor sizes the placeholders, the connector fetches the rows)."""
+    model_dir = write_checkpoint("llava_onevision", tmp_path / "onevision")
+    family = FAMILIES["llava_onevision"]
+    png = image_bytes(200, 150, seed=2)
+    async with running_server(model_dir) as server, EncoderReceiver([server.url]) as receiver:
+        inline = InlineEmbedsHandoff()
+        result = await receiver.encode("inline", [{"data": png}], **inline.encode_options)
+        (part,) = await inline.content_parts("inline", result, family=family, images=[png])
+        assert part["type"] == "image_embeds" and isinstance(part["image_embeds"], str)
+        loaded = torch.load(io.BytesIO(base64.b64decode(part["image_embeds"])), weights_only=True)
+        assert torch.equal(loaded, result.items[0].embedding)
+
+        connector = ConnectorHandoff(lease_ttl_s=30)
+        leased = await receiver.encode("leased", [{"data": png}], **connector.encode_options)
+        (part,) = await connector.content_parts("leased", leased, family=family, images=[png])
+    assert part["type"] == "image_url" and lease_key(part["uuid"]) == leased.items[0].lease.key
+    prefix, data = part["image_url"]["url"].split(",", 1)
+    assert prefix.endswith(";base64") and base64.b64decode(data) == png
