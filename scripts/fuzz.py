@@ -110,7 +110,7 @@ def image_bytes_small() -> bytes:
 
 
 def target_encode_request():
-    from encoder_server.checks import check_encode_request, parse_encode_request
+    from encoder_server.request_parsing import check_encode_request, parse_encode_request
 
     def check(raw: bytes) -> None:
         request = parse_encode_request(raw, MAX_REQUEST_BYTES)
@@ -120,14 +120,14 @@ def target_encode_request():
 
 
 def target_fetch_request():
-    from encoder_server.checks import parse_fetch_request
+    from encoder_server.request_parsing import parse_fetch_request
 
     seeds = [pb.FetchRequest(keys=[bytes(range(32))] * n).SerializeToString() for n in (1, 3)]
     return wire_bytes(seeds), lambda raw: parse_fetch_request(raw, MAX_ITEMS)
 
 
 def target_sglang_encode_request():
-    from encoder_server.checks import check_sglang_encode_request, parse_message
+    from encoder_server.request_parsing import check_sglang_encode_request, parse_message
     from protos import sglang_encoder_pb2 as sglang_pb
 
     seeds = [

@@ -48,7 +48,7 @@ def test_a_file_url_with_a_nul_byte_is_refused_as_invalid(tmp_path):
 def test_an_item_of_a_modality_this_server_has_no_name_for_is_refused_as_unsupported():
     # Found by the campaign: naming an unknown enum value raised ValueError (INTERNAL) instead of refusing the item.
     from encoder_common.errors import UnsupportedModalityError
-    from encoder_server.checks import check_encode_request
+    from encoder_server.request_parsing import check_encode_request
     from protos import encoder_pb2 as pb
 
     request = pb.EncodeRequest(request_id="r", items=[pb.ImageItem(index=0, modality=4, data=b"x")])

@@ -69,7 +69,7 @@ def check_vllm() -> str:
     return version
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VllmPreparedImage(PreparedImage):
     """One image after vLLM's processor: the model's keyword inputs for it, as vLLM batches them."""
 
