@@ -19,7 +19,9 @@ seconds, every kind once per round in a seeded order: kill -9 and restart, SIGST
 
 Invariants, per request: each returned embedding equals its item's reference, in its slot (`wrong`);
 each request ends with a result, a typed error (`EncoderError`) or its own cancellation within its
-deadline and a grace (`lost`: anything else, or later); repeats served from a cache (`cache_hits`).
+deadline and a grace (`lost`: anything else, or later; those in flight while the driver's own loop
+went longer than the grace without a turn are also counted apart); repeats served from a cache
+(`cache_hits`).
 Resources per process every `--sample-s`: RSS, file descriptors, threads, and for the servers the
 calls open, the stream budget's bytes, leases held (a tenth of the calls ask for a lease nobody
 fetches) and segments outstanding; segment files in the shared-memory directory; slopes fitted per
@@ -408,8 +410,14 @@ class Soak:
 
     async def sample(self) -> None:
         me = os.getpid()
+        last = self.now()
         while not self.stop.is_set():
-            sample = {"t": round(self.now(), 1), "shm_files": len(list(self.shm_dir.iterdir())), "procs": {}}
+            now = self.now()
+            # How late this turn came: a stall of the driver's own loop (or of its process), during which
+            # no deadline of its receivers could be enforced either.
+            sample = {"t": round(now, 1), "driver_lag_s": round(max(0.0, now - last - self.args.sample_s), 2),
+                      "shm_files": len(list(self.shm_dir.iterdir())), "procs": {}}  # fmt: skip
+            last = now
             for name, pid, life in [("driver", me, 1)] + [(f"encoder-{e.index}", e.pid, e.lives) for e in self.encoders]:
                 if pid is not None and (stats := proc_stats(pid)) is not None:
                     sample["procs"][f"{name}#{life}"] = stats
@@ -419,6 +427,14 @@ class Soak:
             self.history.samples.append(sample)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), self.args.sample_s)
+
+    def stalled_during(self, request: dict) -> bool:
+        """Whether the driver went more than the grace without a turn while `request` was in flight."""
+        start, end = request["start"], request["start"] + request["seconds"]
+        return any(
+            s["driver_lag_s"] > self.args.grace_s and start <= s["t"] and s["t"] - s["driver_lag_s"] - self.args.sample_s <= end
+            for s in self.history.samples
+        )
 
     def summary(self) -> dict:
         requests = self.history.requests
@@ -463,6 +479,8 @@ class Soak:
             "items_checked": sum(len(r["items"]) for r in ok),
             "wrong": sum(r.get("wrong", 0) for r in requests) + outcomes.get("wrong: a hostile item was answered", 0),
             "lost": sum(count for outcome, count in outcomes.items() if outcome.startswith("lost")),
+            "lost_while_the_driver_stalled": sum(1 for r in requests if r["outcome"].startswith("lost") and self.stalled_during(r)),
+            "driver_stalls_over_grace": [(s["t"], s["driver_lag_s"]) for s in self.history.samples if s["driver_lag_s"] > self.args.grace_s],
             "repeats_checked": sum(r.get("repeats", 0) for r in ok),
             "repeat_cache_hits": sum(r.get("cache_hits", 0) for r in ok),
             "repeat_hit_rate_outside_faults": hit_rate([r for r in ok if not r["during_fault"]]),
