@@ -303,3 +303,60 @@ async def test_token_count_mismatch_fails_the_item_with_internal_and_sends_nothi
             assert shard_error.value.item_indices == [1] and message in str(shard_error.value)
             # The server keeps serving.
             assert (await rx.encode("after", [{"data": good}])).items[0].num_tokens > 0
+
+
+# Runs under the engines' transformers: each case's full model on the pixels this venv's processor made.
+_ENGINE_FEATURES = """
+import json, sys
+from pathlib import Path
+import torch, transformers
+from transformers import AutoModelForImageTextToText
+
+gaps = {}
+for case_dir in sorted(Path(sys.argv[1]).iterdir()):
+    model = AutoModelForImageTextToText.from_pretrained(str(case_dir / "model")).eval()
+    for name, (inputs, expected) in torch.load(case_dir / "inputs.pt").items():
+        with torch.inference_mode():
+            pooled = model.get_image_features(**inputs).pooler_output
+        rows = pooled if isinstance(pooled, torch.Tensor) else torch.cat(list(pooled))
+        rows = rows.reshape(-1, rows.shape[-1])
+        gaps[f"{case_dir.name}/{name}"] = (rows - expected).abs().max().item() if rows.shape == expected.shape else None
+print(json.dumps({"version": transformers.__version__, "gaps": gaps}))
+"""
+
+
+@pytest.mark.engine
+def test_checkpoints_give_the_same_features_under_the_engines_transformers(checkpoints, tmp_path):
+    """vLLM pins transformers below 5.20: every case's checkpoint, written by this venv's transformers,
+    loads under the engines' one, and its get_image_features on the same pixels equals this venv's."""
+    import subprocess
+
+    import transformers
+    from transformers import AutoImageProcessor
+
+    from testkit.vllm_server import ENGINES_PYTHON, engines_env
+
+    if not ENGINES_PYTHON.exists():
+        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
+    images = {"wide": image_bytes(1000, 200, seed=1), "photo": image_bytes(500, 375, seed=2)}
+    for case, model_dir in checkpoints.items():
+        (tmp_path / case).mkdir()
+        (tmp_path / case / "model").symlink_to(model_dir)
+        processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        inputs = {
+            name: dict(processor(images=[decode_image(d)], return_tensors="pt")) for name, d in images.items()
+        }
+        expected = reference_features(model_dir, list(images.values()))
+        torch.save(
+            {name: (inputs[name], image_rows(features)) for name, features in zip(images, expected)},
+            tmp_path / case / "inputs.pt",
+        )
+    done = subprocess.run(
+        [str(ENGINES_PYTHON), "-c", _ENGINE_FEATURES, str(tmp_path)],
+        env=engines_env(), capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["version"] != transformers.__version__  # the engines' pin, not this venv's
+    assert len(report["gaps"]) == 2 * len(checkpoints)
+    assert all(gap is not None and gap <= 1e-5 for gap in report["gaps"].values()), report
