@@ -28,7 +28,7 @@ class PreprocessProfile:
         return decode_image(data, loader=self.name, max_pixels=limit, max_aspect_ratio=max_aspect_ratio)
 
 
-# The one table of profiles. tests/test_parity.py runs the installed engines' own loaders and processors
+# The one table of profiles. tests/engines/test_parity.py runs the installed engines' own loaders and processors
 # against these and fails when their pixel values change: update `checked_against` with the new release.
 ENGINE_STACK = ("transformers 5.19.0", "torchvision 0.28.0", "pillow 13.0.0")  # in .venv-engines beside both
 

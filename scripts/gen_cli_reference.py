@@ -27,7 +27,7 @@ HEADER = """\
 # CLI reference
 
 Generated from the commands' own parsers by `python scripts/gen_cli_reference.py`; do not edit by
-hand (`tests/test_docs.py` fails when this page and the parsers disagree). Every option also reads
+hand (`tests/project/test_docs.py` fails when this page and the parsers disagree). Every option also reads
 the environment variable beside it: the variable sets the default, a flag on the command line wins.
 Boolean flags read `1`, `true` or `yes` as on. `--help` on each command says the same.
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-sglang: SGLang's whole server (`python -m sglang.launch_server`) with what it needs to
-# run on a CPU, for the engine test that serves a language model with it (tests/test_sglang_server.py).
+# run on a CPU, for the engine test that serves a language model with it (tests/engines/test_sglang_server.py).
 #
 # Why a venv of its own: .venv-engines holds SGLang's receiver only, beside vLLM, whose pins
 # (xgrammar, numba, compressed-tensors, openai) differ from SGLang's. The server needs SGLang's own

@@ -19,4 +19,4 @@ fi
 ./scripts/setup_engines.sh --previous
 .venv/bin/python -m pytest
 echo "== the connector's engine tests again, on the previous vLLM release (.venv-engines-prev)"
-ENGINES_VENV=.venv-engines-prev exec .venv/bin/python -m pytest -m engine tests/test_vllm_connector.py
+ENGINES_VENV=.venv-engines-prev exec .venv/bin/python -m pytest -m engine tests/engines/test_vllm_connector.py

@@ -1,6 +1,6 @@
 """Bare grpcio clients: the one the data-plane baselines read with (scripts/bench.py,
 scripts/profile_dataplane.py), each chunk copied as it arrives into a pooled buffer as `EncoderReceiver`
-does with its own; and the channel options of clients that never read (tests/test_stream_budget.py,
+does with its own; and the channel options of clients that never read (tests/encoder_server/test_stream_budget.py,
 scripts/stalled_clients.py)."""
 
 from __future__ import annotations

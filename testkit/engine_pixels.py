@@ -1,5 +1,5 @@
 """Run in .venv-engines (the checkout on PYTHONPATH): the installed engines' own image loading and processors
-on the parity image set, for tests/test_parity.py to compare with the encoder's profiles.
+on the parity image set, for tests/engines/test_parity.py to compare with the encoder's profiles.
 
     python testkit/engine_pixels.py MODEL_DIR OUT_DIR [ENGINE...]   (vllm, sglang; default both)
 

@@ -1,5 +1,5 @@
 """Drives SGLang's own receiver code against encoder servers: run in .venv-engines (with the checkout
-on PYTHONPATH) by tests/test_sglang.py, one process for every scenario of a plan, since importing
+on PYTHONPATH) by tests/engines/test_sglang.py, one process for every scenario of a plan, since importing
 SGLang takes seconds to a minute.
 
 `python testkit/sglang_driver.py PLAN.json OUT_DIR` writes OUT_DIR/results.json (per scenario: what

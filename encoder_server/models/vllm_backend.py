@@ -9,7 +9,7 @@ threads and its batcher. A batch is grouped and stacked by vLLM's own `group_and
 model runner batches an encoder step, so each item's rows are what that vLLM's encoder computes for it.
 
 The image reaching `preprocess` was loaded by the preprocessing profile's loader: under the default `vllm`
-profile, vLLM's loader (tests/test_parity.py checks it against `ImageMediaIO.load_bytes`). vLLM's processor
+profile, vLLM's loader (tests/engines/test_parity.py checks it against `ImageMediaIO.load_bytes`). vLLM's processor
 decides everything after that, whatever the profile names as its processor backend.
 """
 

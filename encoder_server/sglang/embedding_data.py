@@ -57,7 +57,7 @@ LAYOUTS = (
     ),
 )  # fmt: skip
 
-# The SGLang release whose receiver the SGLang service writes for; tests/test_sglang.py unpickles it
+# The SGLang release whose receiver the SGLang service writes for; tests/engines/test_sglang.py unpickles it
 # with that release's own code.
 SGLANG_VERSION = "0.5.23"
 

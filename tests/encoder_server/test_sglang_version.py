@@ -2,7 +2,7 @@
 fails start-up naming the known ones, and each release's own unpickler (from its wheel, run by
 testkit/sglang_releases.py) accepts the pickle written for it and refuses one written for another layout.
 
-tests/test_sglang_contract.py checks that a running server pushes the configured release's layout.
+tests/encoder_server/test_sglang_contract.py checks that a running server pushes the configured release's layout.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from receiver import EncodeFailedError, EncoderReceiver
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.servers import running_server, wait_until
-from tests.gateway_support import chat_request, image_part, running_gateway
+from tests.support.gateway import chat_request, image_part, running_gateway
 
 CLIENTS = 20
 

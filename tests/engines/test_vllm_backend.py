@@ -4,7 +4,7 @@ model's `embed_multimodal`), with the token counts and grids the receiver reasse
 language-model weights; and a missing or unsupported vLLM is a one-line start-up error.
 
 The transformers backend stays the default, needs no vLLM, and reports itself in GetModelInfo; the backend
-is part of every content key (tests/test_cache.py).
+is part of every content key (tests/encoder_server/test_cache.py).
 """
 
 from __future__ import annotations

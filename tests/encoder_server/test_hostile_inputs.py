@@ -318,7 +318,7 @@ async def test_http_urls_are_off_by_default_and_bounded_when_enabled(default_mod
     await expect_invalid(channel, [item(url=f"{http_origin}/ok.png")], "item 0:", "http:// URLs are disabled")
     await expect_invalid(channel, [item(url="https://example.com/a.png")], "https:// URLs are disabled")
 
-    # Public only, http(s) still cannot reach this loopback origin (tests/test_fetch_internal.py counts
+    # Public only, http(s) still cannot reach this loopback origin (tests/encoder_common/test_fetch_internal.py counts
     # that no connection is made).
     async with running_server(default_model_dir, sources=SourcePolicy(http_urls="public")) as public_only:
         async with grpc.aio.insecure_channel(public_only.url.removeprefix("grpc://")) as ch:

@@ -19,10 +19,10 @@ from encoder_common.http_fetch import FetchLimits, fetch_http, internal_kind, sy
 from encoder_common.sources import SourcePolicy, SourceReader
 from testkit.images import image_bytes
 from testkit.servers import running_server
-from tests.test_gateway import gateway, post
-from tests.gateway_support import chat_request
-from tests.test_hostile_inputs import call_encode, item
-from tests.test_security import pki  # noqa: F401  (fixture)
+from tests.gateway.test_gateway import gateway, post
+from tests.support.gateway import chat_request
+from tests.encoder_server.test_hostile_inputs import call_encode, item
+from tests.encoder_server.test_security import pki  # noqa: F401  (fixture)
 from protos import encoder_pb2 as pb
 
 PUBLIC_NAME = "images.example.com"  # resolves, in these tests, to the allowed redirecting site

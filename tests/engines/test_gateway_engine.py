@@ -12,7 +12,7 @@ import pytest
 from gateway.handoff import image_embeds_part
 from receiver import EncoderReceiver
 from testkit.servers import running_server
-from tests.gateway_support import (
+from tests.support.gateway import (
     chat_request,
     complete,
     engine_server,

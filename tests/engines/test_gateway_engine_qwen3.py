@@ -13,7 +13,7 @@ from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.servers import running_server
-from tests.gateway_support import chat_request, complete, engine_server, image_part, images, logprob_gap
+from tests.support.gateway import chat_request, complete, engine_server, image_part, images, logprob_gap
 
 pytestmark = pytest.mark.engine
 

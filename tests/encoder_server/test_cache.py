@@ -22,7 +22,7 @@ from protos import wire
 from receiver import EncoderReceiver
 from receiver.channels import EncoderEndpoint
 from testkit.encoders import EncoderDouble
-from tests.test_batcher import eventually
+from tests.encoder_server.test_batcher import eventually
 from testkit.images import image_bytes
 from testkit.servers import running_server
 

@@ -12,7 +12,7 @@ import pytest
 from testkit.image_set import image_set, refused_images
 from testkit.servers import running_server
 from testkit.vllm_server import connector_transfer_config
-from tests.gateway_support import (
+from tests.support.gateway import (
     chat_request,
     complete,
     engine_server,

@@ -19,7 +19,7 @@ from receiver import EncoderReceiver
 from testkit.launcher import launch_server
 from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm
-from tests.gateway_support import chat_request, complete, image_part, images, logprob_gap, zeroed_tower_copy
+from tests.support.gateway import chat_request, complete, image_part, images, logprob_gap, zeroed_tower_copy
 
 pytestmark = pytest.mark.engine
 
@@ -28,7 +28,7 @@ MODEL = "tiny"  # --served-model-name of both engines
 LEASE_MS = 120_000
 
 # Every request's images, by case; the engine alone answers each once, from the raw images. Sides are
-# multiples of 28 (one merged token); tests/test_gateway_engine_images.py covers other sizes and file kinds.
+# multiples of 28 (one merged token); tests/engines/test_gateway_engine_images.py covers other sizes and file kinds.
 CASES = {
     "1": images([(224, 168)], seed=1),
     "2": images([(112, 112), (308, 196)], seed=2),

@@ -1,7 +1,7 @@
 """SGLang's encoder contract on our server, without SGLang: the service beside encoder.v1, its
 refusals and statuses, item strings under the source policy, and where parts are pushed.
 
-tests/test_sglang.py drives the same server with SGLang's own receiver code (engine tests).
+tests/engines/test_sglang.py drives the same server with SGLang's own receiver code (engine tests).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def pickle_globals(meta: bytes) -> set[tuple[str, str]]:
 
 @pytest.mark.parametrize("version", [None, "0.5.21", "0.5.15.post1"])
 async def test_the_pushed_pickles_follow_the_configured_sglang_release(default_model_dir, pull, version):
-    """Embeddings and errors alike; tests/test_sglang_version.py runs each release's unpickler on them."""
+    """Embeddings and errors alike; tests/encoder_server/test_sglang_version.py runs each release's unpickler on them."""
     socket, port = pull
     layout = LAYOUTS[0] if version is None else layout_for(version)
     sglang = SglangConfig() if version is None else SglangConfig(version=version)

@@ -29,8 +29,8 @@ from testkit.images import image_bytes
 from testkit.launcher import launch_server
 from testkit.servers import running_server
 from testkit.vllm_server import free_port
-from tests.gateway_support import chat_request, data_url, image_part, running_gateway
-from tests.test_security import TOKEN, pki, token_file  # noqa: F401  (fixtures)
+from tests.support.gateway import chat_request, data_url, image_part, running_gateway
+from tests.encoder_server.test_security import TOKEN, pki, token_file  # noqa: F401  (fixtures)
 
 
 # A gateway on 127.0.0.1 whose engine URL is, unless given, a port nothing listens on.

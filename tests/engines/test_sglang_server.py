@@ -17,7 +17,7 @@ import torch
 
 from testkit.servers import running_server
 from testkit.sglang_server import SGLANG_PYTHON, launch_sglang, language_only_args
-from tests.gateway_support import TOP_LOGPROBS, data_url, images, logprob_gap
+from tests.support.gateway import TOP_LOGPROBS, data_url, images, logprob_gap
 
 pytestmark = pytest.mark.engine
 
@@ -53,7 +53,7 @@ def generate_request(count: int) -> dict:
 
 async def generate(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
     """POSTs to SGLang's /generate; returns the prompt length and, per output token, (id, logprob,
-    {top id: logprob}) as tests.gateway_support.logprob_gap compares them."""
+    {top id: logprob}) as tests.support.gateway.logprob_gap compares them."""
     async with session.post(f"{url}/generate", json=body) as reply:
         if reply.status != 200:
             raise AssertionError(f"{url} answered {reply.status}: {await reply.text()}")

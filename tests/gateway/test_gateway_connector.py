@@ -15,7 +15,7 @@ from receiver.fetch import lease_key
 from testkit.checkpoints import write_checkpoint
 from testkit.images import image_bytes
 from testkit.servers import running_server
-from tests.gateway_support import chat_request, image_part
+from tests.support.gateway import chat_request, image_part
 
 
 async def test_leased_parts_name_the_item_and_carry_no_tensor(default_model_dir):

@@ -1,5 +1,5 @@
 """encoder-gateway -> vLLM 0.32 for the families beyond the Qwen-VL ones that tests/test_gateway_engine*.py and
-tests/test_vllm_connector.py cover: a vLLM whose vision weights are zeros, fed by our encoders, answers as
+tests/engines/test_vllm_connector.py cover: a vLLM whose vision weights are zeros, fed by our encoders, answers as
 vLLM alone given the same bytes (same token ids and top logprobs within a tolerance of the served dtype,
 greedy), through the inline hand-off and through the connector hand-off, on images off every grid, several
 in one request."""
@@ -16,7 +16,7 @@ from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
-from tests.gateway_support import (
+from tests.support.gateway import (
     chat_request,
     complete,
     image_part,
