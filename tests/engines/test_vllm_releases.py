@@ -29,11 +29,11 @@ import vllm
 from vllm.distributed.ec_transfer.ec_connector import base
 
 def check():
-    import receiver.vllm_connector as connector
+    from receiver import vllm_connector, vllm_contract
     try:
-        connector.check_vllm_contract()
+        vllm_contract.check_vllm_contract(vllm_connector.EncoderServiceConnector)
         return None
-    except connector.VllmContractError as exc:
+    except vllm_contract.VllmContractError as exc:
         return str(exc)
 
 for version in sys.argv[1:]:
