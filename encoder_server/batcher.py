@@ -5,7 +5,7 @@ optional short wait for more), runs one forward for all of it and resolves each 
 its caller's event loop. An item whose future is cancelled (its caller went away or its deadline
 passed) leaves the queue at once and never costs a forward.
 
-It also measures its own load (`BatcherLoad`), which the receivers place by and the autoscaler reads:
+It also measures its own load (`BatcherLoad`, with `work_meter.WorkMeter`), which the receivers place by and the autoscaler reads:
 the seconds of forward work queued, the seconds one item costs, and how far demand is over capacity.
 """
 
@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 from encoder_common.env_flags import flag
 from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
 from encoder_common.load_report import LoadReport
+
+from .work_meter import BatcherLoad, WorkMeter
 
 if TYPE_CHECKING:  # the model stack is not imported for BatchingConfig (the CLI's --help builds on it)
     from .models import ImageEmbedding, PreparedImage, VisionEncoder
@@ -61,22 +63,6 @@ class BatchingConfig:
 
 
 @dataclass(frozen=True)
-class BatcherLoad:
-    """What the forward worker has to do, as it measures it.
-
-    `queued_work_s`: seconds of forwards for the items queued and those in the running forward (their
-    patches x the measured seconds per patch). `item_s`: what one more item costs (the mean item's
-    patches x seconds per patch). `saturation`: forward-seconds asked of the worker per second over the
-    last window (items queued, and items refused as overloaded at `item_s` each), over the one second
-    per second one worker has: 1.0 keeps it busy all the time, above 1.0 work comes faster than it goes.
-    """
-
-    queued_work_s: float
-    item_s: float
-    saturation: float
-
-
-@dataclass(frozen=True)
 class TimedEmbedding:
     """An image's embedding with the timings of the batch whose forward produced it."""
 
@@ -84,47 +70,6 @@ class TimedEmbedding:
     queue_ms: float
     forward_ms: float
     batch_size: int
-
-
-# Weight of the newest forward in the moving averages of seconds per patch and patches per item.
-_EWMA_WEIGHT = 0.2
-
-
-class _WorkMeter:
-    """Seconds per patch and patches per item, as moving averages of the forwards run; the forward-seconds
-    demanded, per window. Not locked itself: the batcher calls it under its lock."""
-
-    def __init__(self, window_s: float):
-        self.window_s = window_s
-        self.seconds_per_patch = 0.0  # 0 until the first forward: no cost claimed before it is measured
-        self.patches_per_item = 0.0
-        self.demanded_s = 0.0  # since start: the counter behind the saturation gauge
-        self._demand: deque[tuple[float, float]] = deque()  # (time.monotonic(), forward-seconds asked)
-
-    @property
-    def item_s(self) -> float:
-        return self.seconds_per_patch * self.patches_per_item
-
-    def forward(self, seconds: float, items: int, patches: int) -> None:
-        if patches <= 0 or items <= 0:
-            return
-        for name, value in (("seconds_per_patch", seconds / patches), ("patches_per_item", patches / items)):
-            old = getattr(self, name)
-            setattr(self, name, value if old == 0.0 else old + _EWMA_WEIGHT * (value - old))
-
-    def demanded(self, seconds: float) -> None:
-        now = time.monotonic()
-        self.demanded_s += seconds
-        self._demand.append((now, seconds))
-        self._forget(now)
-
-    def saturation(self) -> float:
-        self._forget(time.monotonic())
-        return sum(seconds for _, seconds in self._demand) / self.window_s
-
-    def _forget(self, now: float) -> None:
-        while self._demand and self._demand[0][0] < now - self.window_s:
-            self._demand.popleft()
 
 
 @dataclass(eq=False)  # compared by identity: the queue removes exactly this entry
@@ -143,7 +88,7 @@ class Batcher:
         self._queue: deque[_Pending] = deque()
         self._queued_patches = 0
         self._running_patches = 0  # of the forward running now
-        self._meter = _WorkMeter(config.saturation_window_s)
+        self._meter = WorkMeter(config.saturation_window_s)
         # Items whose call was cancelled (or whose deadline passed) before their forward, by where they
         # were: "queue" (they left it) or "preprocess" (they never reached it; the pipeline tells).
         self.cancelled_items: Counter[str] = Counter()
