@@ -422,8 +422,9 @@ class Soak:
                 if pid is not None and (stats := proc_stats(pid)) is not None:
                     sample["procs"][f"{name}#{life}"] = stats
             for encoder in self.encoders:
-                if encoder.pid is not None and (held := encoder.held()):
-                    sample["procs"][f"encoder-{encoder.index}#{encoder.lives}"].update(held)
+                proc = sample["procs"].get(f"encoder-{encoder.index}#{encoder.lives}")
+                if proc is not None and (held := encoder.held()):  # not while it is down or exiting
+                    proc.update(held)
             self.history.samples.append(sample)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), self.args.sample_s)
