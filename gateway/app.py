@@ -196,7 +196,6 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
                 sources=SourceReader(config.sources, user_agent="encoder-gateway"),
                 metrics=GatewayMetrics(receiver.metrics),
                 pass_non_image=config.pass_non_image,
-                encode_timeout_s=config.receiver.timeout,
                 retry_after_s=config.retry_after_s,
             )
             yield

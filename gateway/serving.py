@@ -105,7 +105,6 @@ class ChatCompletionsService:
         sources: SourceReader,
         metrics: GatewayMetrics,
         pass_non_image: bool = False,
-        encode_timeout_s: float | None = None,
         retry_after_s: int = 1,
     ):
         self.receiver = receiver
@@ -115,7 +114,6 @@ class ChatCompletionsService:
         self.sources = sources
         self.metrics = metrics
         self.pass_non_image = pass_non_image
-        self.encode_timeout_s = encode_timeout_s
         self.retry_after_s = retry_after_s
 
     async def _part_bytes(self, part: ImagePart) -> bytes:
@@ -147,7 +145,6 @@ class ChatCompletionsService:
             result = await self.receiver.encode(
                 request_id,
                 [{"modality": "image", "data": data} for data in images],
-                timeout=self.encode_timeout_s,
                 **handoff.encode_options,
             )
             served = (await self.receiver.served_model()).family  # asked once per receiver
