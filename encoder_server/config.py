@@ -16,9 +16,9 @@ from .images import DEFAULT_MAX_ASPECT_RATIO
 from .leases import LeaseConfig
 from .profiles import DEFAULT_PROFILE, PROFILES
 from .sglang.config import SglangConfig
-from .shm import ShmConfig
 from .streams import StreamLimits
 from .tls import TlsConfig
+from .transports.shm import ShmConfig
 
 if TYPE_CHECKING:  # torch is imported once a config is built, not to build the parser (--help stays fast)
     import torch

@@ -25,7 +25,6 @@ from .profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
 
 if TYPE_CHECKING:
     from .batcher import Batcher
-    from .shm import ShmSegments
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,8 @@ class ServerMetrics:
     - `watch_queue(fn)`: fn() -> items waiting for a forward, read at each scrape.
     - `watch_cache(fn)`: fn() -> CacheStats, read at each scrape; until it is called the cache
       metrics are absent (a server without a cache does not claim 0 hits).
-    - `watch_shm(segments)`: the shared-memory pool whose counts are read at each scrape; absent
-      likewise until it is called.
+    - `watch_transport(collector)`: a payload transport's own counts (encoder_server/transports), read at
+      each scrape; absent for a transport the server runs without.
     - `watch_load(batcher)`: the forward worker whose load (queued work, saturation) and cancelled items
       are read at each scrape.
     """
@@ -86,10 +85,8 @@ class ServerMetrics:
         self.stage_seconds = {stage: self.item_seconds.labels(stage) for stage in stages}
         self.items_ok = self.items.labels("ok", "OK")
         self._cache_stats: Callable[[], CacheStats] | None = None
-        self._shm: ShmSegments | None = None
         self._batcher: Batcher | None = None
         r.register(_CacheCollector(self))
-        r.register(_ShmCollector(self))
         r.register(_LoadCollector(self))
         self._http: WSGIServer | None = None
 
@@ -99,8 +96,8 @@ class ServerMetrics:
     def watch_cache(self, stats: Callable[[], CacheStats]) -> None:
         self._cache_stats = stats
 
-    def watch_shm(self, segments: ShmSegments) -> None:
-        self._shm = segments
+    def watch_transport(self, collector: Collector) -> None:
+        self.registry.register(collector)
 
     def watch_load(self, batcher: Batcher) -> None:
         self._batcher = batcher
@@ -172,46 +169,6 @@ class _LoadCollector(Collector):
         for stage in ("queue", "preprocess"):
             cancelled.add_metric([stage], batcher.cancelled_items[stage])
         yield cancelled
-
-
-class _ShmCollector(Collector):
-    """The shared-memory pool's counts, read at each scrape (plain reads: the scrape runs on another thread)."""
-
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
-
-    def collect(self) -> Iterator:
-        segments = self.metrics._shm
-        if segments is None:
-            return
-        stats = segments.stats
-        yield CounterMetricFamily(
-            "encoder_shm_items", "Items whose payload was handed over in a shared-memory segment", value=stats.items
-        )
-        yield CounterMetricFamily("encoder_shm_bytes", "Payload bytes written into shared-memory segments", value=stats.bytes)
-        yield CounterMetricFamily(
-            "encoder_shm_segments_released", "Announced segments their receiver released", value=stats.released
-        )
-        reclaimed = CounterMetricFamily(
-            "encoder_shm_segments_reclaimed",
-            "Announced segments the server took back: after the release timeout, or when the call ended early",
-            labels=["reason"],
-        )
-        reclaimed.add_metric(["timeout"], stats.reclaimed_timeout)
-        reclaimed.add_metric(["cancel"], stats.reclaimed_cancel)
-        yield reclaimed
-        fallbacks = CounterMetricFamily(
-            "encoder_shm_fallbacks", "Items offered shared memory that went as chunks, by reason", labels=["reason"]
-        )
-        for reason, count in sorted(dict(stats.fallbacks).items()):
-            fallbacks.add_metric([reason], count)
-        yield fallbacks
-        pool = segments.pool()
-        yield GaugeMetricFamily("encoder_shm_pool_segments", "Shared-memory segments held, announced or warm", value=pool.segments)
-        yield GaugeMetricFamily("encoder_shm_pool_bytes", "Bytes of shared-memory segments held", value=pool.bytes)
-        yield GaugeMetricFamily(
-            "encoder_shm_pool_peak_bytes", "Most bytes of shared-memory segments held at once", value=stats.peak_bytes
-        )
 
 
 class MeteredEncoder(VisionEncoder):

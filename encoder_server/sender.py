@@ -1,6 +1,7 @@
 """One call's items on their way to its receiver, for Encode, Fetch and SGLang's Encode: each item's
-header (with its lease), its payload in shared memory or as chunks, the stream budget's charge and
-watchdog clock, and the metrics event of each item sent."""
+header (with its lease), its payload placed by the call's transport (transports/) or else written as
+chunks on the stream, the stream budget's charge and watchdog clock, and the metrics event of each item
+sent."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from protos import encoder_pb2 as pb
 from .leases import LeaseStore
 from .metrics import RequestRecord
 from .payload import ItemPayload
-from .shm import ShmCall
+from .transports import CallTransport
+from .transports.stream import STREAM
 from .streams import StreamCharge, StreamCut
 
 
@@ -34,38 +36,38 @@ class ItemOut:
 
 @dataclass(eq=False)
 class ItemSender:
-    """Sends one call's items. `shm`: the call's shared-memory offer (gRPC streams only); `lease`: the
-    Encode request's lease ask, granted per item from `leases`."""
+    """Sends one call's items. `transport`: where the call's payloads are placed when not as chunks (gRPC
+    streams only); `lease`: the Encode request's lease ask, granted per item from `leases`."""
 
     context: grpc.aio.ServicerContext
     charge: StreamCharge
     record: RequestRecord
-    shm: ShmCall | None = None
+    transport: CallTransport = STREAM
     _: KW_ONLY
     leases: LeaseStore | None = None
     lease: pb.LeaseRequest | None = None
 
     async def send_all(self, payloads: AsyncIterator[ItemOut]) -> None:
-        """Sends every item `payloads` yields, in its order; shared-memory segments are handed over once
-        the stream completed, and taken back otherwise."""
-        shm = self.shm or ShmCall(None, pb.EncodeRequest())
+        """Sends every item `payloads` yields, in its order; what the transport placed is handed over
+        once the stream completed, and taken back otherwise."""
+        transport = self.transport
         try:
             async with contextlib.aclosing(payloads) as items:
                 async for item in items:
-                    await self._send(shm, item)
-            shm.hand_over()
+                    await self._send(transport, item)
+            transport.hand_over()
         finally:
-            shm.close()
+            transport.close()
 
-    async def _send(self, shm: ShmCall, item: ItemOut) -> None:
+    async def _send(self, transport: CallTransport, item: ItemOut) -> None:
         index, payload = item.index, item.payload
         message = payload.header_message(index, item.cache_hit)
         lease = self.lease
         if lease is not None:
             message.header.lease.CopyFrom(self.leases.grant(item.key, payload, lease.ttl_ms))
-        # No chunks follow a payload withheld for its Fetch, or placed in shared memory.
+        # No chunks follow a payload withheld for its Fetch, or placed by the call's transport.
         withheld = lease is not None and lease.withhold_payload
-        placed = withheld or shm.place(message.header, payload.payload_views())
+        placed = withheld or transport.place(message.header, payload)
         started = time.perf_counter()
         await self._write(message)
         if not placed:

@@ -31,8 +31,8 @@ from .pipeline import ItemPipeline
 from .profiles import PROFILES, SGLANG_PROFILE
 from .servicer import EncoderServicer, method_handlers, model_info
 from .sglang import servicer as sglang_servicer
-from .shm import ShmSegments
 from .streams import StreamBudget
+from .transports import ServerTransports
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class EncoderServer:
         self._batcher: Batcher | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stopping = False
-        self.shm: ShmSegments | None = None
+        self.transports = ServerTransports(config)  # besides the stream, which every call has
         self.cache: EmbeddingCache | None = None
         self.sglang: sglang_servicer.SglangEncoderServicer | None = None
         self.leases: LeaseStore | None = None
@@ -88,9 +88,7 @@ class EncoderServer:
         interceptors = self._interceptors()  # reads the token file: a bad one fails before the model loads
         random_weights = await self._load_model()
         await self._start_forward_worker()
-        if self.config.shm is not None:
-            self.shm = ShmSegments(self.config.shm)
-            await self.shm.start()  # also removes what dead encoder processes left in /dev/shm
+        await self.transports.start()  # shared memory also removes what dead encoder processes left in /dev/shm
         self.streams.start()
         self._server = self._build_grpc_server(interceptors, model_info(self.encoder.spec, self.config, random_weights))
         await self._server.start()
@@ -136,14 +134,14 @@ class EncoderServer:
         if config.cache_bytes:
             self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec, PROFILES[config.preprocess_profile]))
             self.metrics.watch_cache(self.cache.stats)
-        if self.shm is not None:
-            self.metrics.watch_shm(self.shm)
+        for transport in self.transports:
+            self.metrics.watch_transport(transport.collector())
         if config.leases.max_bytes > 0:
             self.leases = LeaseStore(config.leases)
         pipeline = ItemPipeline(
             self.encoder, self._batcher, self._pool, config, self.cache, keys=self.leases is not None
         )
-        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.shm, self.leases, self.streams)
+        servicer = EncoderServicer(pipeline, config, info, self.metrics, self.transports, self.leases, self.streams)
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -238,8 +236,7 @@ class EncoderServer:
         if self._server is not None:
             await self._server.stop(max(0.0, deadline - time.monotonic()))
         self.streams.stop()
-        if self.shm is not None:
-            await self.shm.stop()
+        await self.transports.stop()
         if self.sglang is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.sglang.close)
         if self._batcher is not None:

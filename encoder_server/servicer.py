@@ -20,8 +20,8 @@ from .metrics import ServerMetrics
 from .models import ModelSpec
 from .pipeline import ItemPipeline
 from .sender import ItemSender, leased_payloads
-from .shm import ShmCall, ShmSegments
 from .streams import StreamBudget
+from .transports import ServerTransports
 
 
 def model_info(spec: ModelSpec, config: ServerConfig, random_weights: bool) -> pb.ModelInfo:
@@ -56,7 +56,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         config: ServerConfig,
         info: pb.ModelInfo,
         metrics: ServerMetrics,
-        shm: ShmSegments | None = None,
+        transports: ServerTransports,
         leases: LeaseStore | None = None,
         streams: StreamBudget | None = None,
     ):
@@ -64,7 +64,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.config = config
         self.info = info
         self.metrics = metrics
-        self.shm = shm
+        self.transports = transports
         self.leases = leases
         self.streams = streams or StreamBudget(config.streams)
 
@@ -79,15 +79,16 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
 
     @error_edge
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> None:
-        """Streams each item's header, then its payload (chunks, or shared memory), in the items' order."""
+        """Streams each item's header, then its payload (chunks, or placed by the transport the request
+        offered), in the items' order."""
         with self.metrics.record(request.request_id, len(request.items), context) as record:
             check_encode_request(request, self.config.max_items_per_request)
             lease = request.lease if request.HasField("lease") else None
             if lease is not None and self.leases is None:
                 raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
             async with self.streams.call(context.peer()) as charge:
-                shm = ShmCall(self.shm, request)
-                sender = ItemSender(context, charge, record, shm, leases=self.leases, lease=lease)
+                transport = self.transports.open_call(request)
+                sender = ItemSender(context, charge, record, transport, leases=self.leases, lease=lease)
                 await sender.send_all(self.pipeline.payloads(request.items, charge))
 
     @error_edge
@@ -98,7 +99,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         payloads = [self.leases.get(key) for key in request.keys]
         with self.metrics.record("fetch", len(payloads), context) as record:
             async with self.streams.call(context.peer()) as charge:
-                sender = ItemSender(context, charge, record, ShmCall(self.shm, request))
+                sender = ItemSender(context, charge, record, self.transports.open_call(request))
                 await sender.send_all(leased_payloads(payloads, charge))
         for key in request.keys:
             self.leases.fetched(key)

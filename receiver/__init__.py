@@ -34,7 +34,7 @@ _EXPORTS = {
     "ItemResult": "receiver.result",
     "Shard": "receiver.sharding",
     "plan_shards": "receiver.sharding",
-    "TransferStats": "receiver.shm",
+    "TransferStats": "receiver.transports",
     "Window": "receiver.windows",
     "get_embedding_chunk": "receiver.windows",
     "window_rows": "receiver.windows",

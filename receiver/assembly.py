@@ -1,5 +1,5 @@
 """Reassembly: writes an Encode stream's chunks straight into each item's preallocated tensor, or
-takes the item's tensor over its shared-memory segment as it is."""
+takes the item's tensor as the call's transport (receiver.transports) placed it."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from encoder_common.errors import EncoderError
 
 from .buffers import POOL
 from .result import ItemResult
-from .shm import Placement
+from .transports import Placement
 
 # Makes the uninitialized tensor an item's payload is received into, from its shape and dtype.
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-# Looks an item up in shared memory: where its payload is, and its tensor when the segment holds it.
-ShmReader = Callable[[pb.ItemHeader], tuple[Placement, torch.Tensor | None]]
+# Reads an item's header for the call's transport: where its payload is, and its tensor when the
+# transport placed it (ReceiverTransport.open_call returns one per call).
+PayloadReader = Callable[[pb.ItemHeader], tuple[Placement, torch.Tensor | None]]
 
 
 class StreamProtocolError(EncoderError):
@@ -29,7 +30,7 @@ class StreamProtocolError(EncoderError):
 
 
 class ItemBuffer:
-    """One item's payload: filled chunk by chunk in arrival order, or given whole (a shared-memory view).
+    """One item's payload: filled chunk by chunk in arrival order, or given whole (as a transport placed it).
 
     Tensors come from the receive pool unless the caller gives its own `allocate`; a whole payload is
     taken as it is, or copied once into the caller's tensor when there is one.
@@ -98,17 +99,17 @@ class ShardAssembler:
         self,
         expected_indices: Collection[int],
         encoder_url: str,
-        read_shm: ShmReader | None = None,
+        read_placed: PayloadReader | None = None,
         allocate: Allocator | None = None,
         payloads: bool = True,
     ):
         self.expected = set(expected_indices)
         self.encoder_url = encoder_url
         self.items: dict[int, ItemResult] = {}
-        self.read_shm = read_shm
+        self.read_placed = read_placed
         self.allocate = allocate
         self.payloads = payloads  # False: headers only (payloads withheld under a lease)
-        self.refetch: list[int] = []  # items whose shared-memory segment could not be used
+        self.refetch: list[int] = []  # items placed where they could not be used
         self._current: ItemBuffer | None = None
         self._started = time.perf_counter()
 
@@ -129,8 +130,8 @@ class ShardAssembler:
                 return self._finish(message, _shape_only(message))
             layout = ItemBuffer.layout(message)  # refused before any segment is touched
             payload = None
-            if self.read_shm is not None:
-                placement, payload = self.read_shm(message)
+            if self.read_placed is not None:
+                placement, payload = self.read_placed(message)
                 if placement is Placement.REFETCH:
                     self.refetch.append(message.index)
                     return None

@@ -24,7 +24,7 @@ from .items import check_items, sort_items
 from .metrics import ReceiverMetrics
 from .result import EncodeResult, ItemResult
 from .served_model import ServedModel
-from .shm import ShmReceiver, TransferStats
+from .transports import TransferStats, open_transport
 
 
 class EncoderReceiver:
@@ -62,9 +62,11 @@ class EncoderReceiver:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
         self.urls = list(urls)
         self.config = config = replace(config or ReceiverConfig(), **settings)
-        self._shm = ShmReceiver.for_transfer(config.transfer)  # "auto" touches no file yet
+        self._transport = open_transport(config.transfer)  # "auto" touches no file yet
         self.metrics = metrics or ReceiverMetrics()
-        self._fleet = Fleet.connect(self.urls, config, resolver=resolver, metrics=self.metrics, shm=self._shm)
+        self._fleet = Fleet.connect(
+            self.urls, config, resolver=resolver, metrics=self.metrics, transport=self._transport
+        )
         self.cache = ItemCache(config.cache_bytes) if config.cache_bytes else None
         self.discovery = self._fleet.discovery
         self._served = ServedModel(self._fleet.pool, config.timeout, config.hidden_size)
@@ -77,13 +79,12 @@ class EncoderReceiver:
 
     async def close(self) -> None:
         await self._fleet.pool.close()
-        if self._shm is not None:
-            self._shm.close()
+        self._transport.close()
 
     @property
     def transfer_stats(self) -> TransferStats:
         """Items that came through shared memory, and why others fell back to the stream."""
-        return self._shm.stats if self._shm is not None else TransferStats()
+        return self._transport.stats
 
     async def model_info(self) -> dict[str, pb.ModelInfo]:
         """Each encoder's ModelInfo, by URL."""
@@ -158,6 +159,6 @@ class EncoderReceiver:
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
         return await fetch_leased(
             endpoints, request_id, key, deadline=deadline, prefer_url=prefer_url, policy=self.config.failover,
-            shm=self._shm, allocate=allocate,
+            transport=self._transport, allocate=allocate,
         )  # fmt: skip
 

@@ -1,6 +1,7 @@
 """Everything an EncoderReceiver is configured with, in frozen dataclasses that need neither torch nor
 a model: the receiver and its fleet take `ReceiverConfig` whole, `encoder-client` builds its flags from
-it, and `encoder-gateway` embeds it. The vocabularies of `transfer` and `placement` live here."""
+it, and `encoder-gateway` embeds it. The vocabulary of `placement` lives here, that of `transfer` in the
+transport registry (receiver.transports)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import grpc
 
 from encoder_common.env_flags import flag
 
-TRANSFERS = ("auto", "grpc", "shm")
+from .transports import TRANSFERS
+
 PLACEMENTS = ("random", "affinity")
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_REFRESH_S = 10.0  # how often `dns:` names are resolved again

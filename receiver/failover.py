@@ -27,7 +27,7 @@ from .load import FleetLoad
 from .placement import Affinity, RequestPlacement
 from .result import ItemResult
 from .shard_call import encode_shard
-from .shm import ShmReceiver
+from .transports import ReceiverTransport
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class Fleet:
     """What every request of one receiver shares: the encoders, what is believed of their health,
-    the failover settings, the shared-memory transport and the counters."""
+    the failover settings, the payload transport and the counters."""
 
     pool: EndpointPool
     discovery: EncoderDiscovery
     health: HealthTracker
     policy: FailoverPolicy
     metrics: ReceiverMetrics
-    shm: ShmReceiver | None
+    transport: ReceiverTransport
     rng: random.Random  # the random sharding's
     jitter: random.Random  # back-off jitter
     placement: str = "random"  # or "affinity" (receiver.affinity)
@@ -58,7 +58,7 @@ class Fleet:
         *,
         resolver: Resolver,
         metrics: ReceiverMetrics,
-        shm: ShmReceiver | None,
+        transport: ReceiverTransport,
     ) -> Fleet:
         """The fleet behind `urls`; channels open on first use, one per encoder."""
         discovery = EncoderDiscovery(urls, resolver=resolver, refresh_s=config.refresh_s, metrics=metrics)
@@ -73,7 +73,7 @@ class Fleet:
         health = HealthTracker(config.failover)
         rngs = {"rng": random.Random(config.seed), "jitter": random.Random()}
         settings = {"placement": config.placement, "balance": config.balance, "load": load}
-        return cls(pool, discovery, health, config.failover, metrics, shm, **rngs, **settings)
+        return cls(pool, discovery, health, config.failover, metrics, transport, **rngs, **settings)
 
     def shard_failed(self, error: ShardError) -> None:
         """Counts the failure; an unreachable encoder makes discovery re-resolve and skip it a while."""
@@ -152,7 +152,7 @@ async def encode_with_failover(
         try:
             return await encode_shard(
                 encoder, request_id, items,
-                deadline=deadline, policy=fleet.policy, arrived=arrived, shm=fleet.shm, lease=lease,
+                deadline=deadline, policy=fleet.policy, arrived=arrived, transport=fleet.transport, lease=lease,
             )  # fmt: skip
         finally:
             fleet.load.settled(encoder.url, sent)

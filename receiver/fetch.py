@@ -13,7 +13,8 @@ from .channels import EncoderEndpoint
 from .config import FailoverPolicy
 from .result import ItemResult
 from .shard_call import fetch_shard
-from .shm import ShmReceiver
+from .transports import ReceiverTransport
+from .transports.stream import STREAM
 
 # How a chat request names a leased item to an inference engine's connector (receiver.vllm_connector):
 # the content part's `uuid`. The key alone, so that the same image has the same uuid whichever encoder
@@ -56,7 +57,7 @@ async def fetch_leased(
     deadline: float,
     prefer_url: str | None = None,
     policy: FailoverPolicy,
-    shm: ShmReceiver | None = None,
+    transport: ReceiverTransport = STREAM,
     allocate: Allocator | None = None,
 ) -> ItemResult:
     """One leased item from whichever encoder holds it: `prefer_url` first (the one that encoded it),
@@ -67,7 +68,7 @@ async def fetch_leased(
     for endpoint in ordered:
         try:
             (item,) = await fetch_shard(
-                endpoint, request_id, [key], deadline=deadline, policy=policy, shm=shm, allocate=allocate
+                endpoint, request_id, [key], deadline=deadline, policy=policy, transport=transport, allocate=allocate
             )
             return item
         except EncoderError as exc:

@@ -19,7 +19,8 @@ from .channels import EncoderEndpoint
 from .errors import ShardError
 from .config import FailoverPolicy
 from .result import ItemResult
-from .shm import ShmReceiver
+from .transports import ReceiverTransport
+from .transports.stream import STREAM
 
 
 @dataclass(frozen=True)
@@ -78,24 +79,23 @@ async def encode_shard(
     deadline: float,
     policy: FailoverPolicy,
     arrived: Callable[[ItemResult], None],
-    shm: ShmReceiver | None = None,
+    transport: ReceiverTransport = STREAM,
     lease: pb.Lease | None = None,
 ) -> ShardError | None:
     """One Encode call for `items` ((index, image bytes) pairs) on one encoder.
 
     Returns None when every item arrived, else a ShardError naming the items that did not; an item
-    cut off half-way is dropped whole, so a retry rewrites it from scratch. Items whose shared-memory
-    segment could not be read are asked for again over the stream.
+    cut off half-way is dropped whole, so a retry rewrites it from scratch. Items the transport placed
+    where they could not be read are asked for again over the stream.
     """
     indices = [index for index, _ in items]
     withheld = lease is not None and lease.withhold_payload
-    shm_offer = shm.offer(endpoint.url) if shm is not None and not withheld else None
+    header = pb.EncodeRequest(request_id=request_id, lease=lease)
+    read_placed = None if withheld else transport.open_call(header, endpoint.url)
     request = wire.encode_request(
-        pb.EncodeRequest(request_id=request_id, shm=shm_offer, lease=lease),
-        [(pb.ImageItem(index=index, modality=pb.IMAGE), data) for index, data in items],
+        header, [(pb.ImageItem(index=index, modality=pb.IMAGE), data) for index, data in items]
     )
-    read_shm = shm.reader(request_id) if shm_offer is not None else None
-    assembler = ShardAssembler(indices, endpoint.url, read_shm, payloads=not withheld)
+    assembler = ShardAssembler(indices, endpoint.url, read_placed, payloads=not withheld)
 
     def failed(code: grpc.StatusCode | None, message: str, missing: Sequence[int]) -> ShardError:
         return ShardError(
@@ -129,19 +129,18 @@ async def fetch_shard(
     *,
     deadline: float,
     policy: FailoverPolicy,
-    shm: ShmReceiver | None = None,
+    transport: ReceiverTransport = STREAM,
     allocate: Allocator | None = None,
 ) -> list[ItemResult]:
     """One Fetch call: the leased items of `keys`, in order, each received into a tensor from `allocate`.
 
     Raises the status's error class (NotFoundError for a key the encoder does not hold; UnavailableError
-    for a stalled stream), or StreamProtocolError when the stream breaks the contract. Items whose
-    shared-memory segment could not be used are fetched again over the stream.
+    for a stalled stream), or StreamProtocolError when the stream breaks the contract. Items the
+    transport placed where they could not be used are fetched again over the stream.
     """
-    shm_offer = shm.offer(endpoint.url) if shm is not None else None
-    request = pb.FetchRequest(request_id=request_id, keys=keys, shm=shm_offer)
-    read_shm = shm.reader(request_id) if shm_offer is not None else None
-    assembler = ShardAssembler(range(len(keys)), endpoint.url, read_shm, allocate)
+    request = pb.FetchRequest(request_id=request_id, keys=keys)
+    read_placed = transport.open_call(request, endpoint.url)
+    assembler = ShardAssembler(range(len(keys)), endpoint.url, read_placed, allocate)
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the deadline passed before the call")

@@ -96,7 +96,7 @@ def serve(fail_file: str) -> None:
     from encoder_common.malloc import tune_server_malloc
     from encoder_server.leases import LeaseConfig
     from encoder_server.server import EncoderServer
-    from encoder_server.shm import ShmConfig
+    from encoder_server.transports.shm import ShmConfig
     from testkit.servers import server_config
 
     logging.basicConfig(level=logging.WARNING)
@@ -124,7 +124,7 @@ async def write_stats(server, path: Path) -> None:
             "calls_open": server.streams.open_calls,
             "stream_bytes_held": server.streams.held,
             "leases": len(server.leases._leases) if server.leases is not None else 0,  # noqa: SLF001
-            "shm_segments": len(server.shm.outstanding()) if server.shm is not None else 0,
+            "shm_segments": len(server.transports["shm"].outstanding()),
         }
         path.with_suffix(".tmp").write_text(json.dumps(stats))
         path.with_suffix(".tmp").replace(path)

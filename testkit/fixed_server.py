@@ -28,7 +28,7 @@ def serve(num_tokens: int, hidden_size: int) -> None:
     from encoder_common.collector import freeze_startup_objects
     from encoder_common.malloc import tune_server_malloc
     from encoder_server.server import EncoderServer
-    from encoder_server.shm import ShmConfig
+    from encoder_server.transports.shm import ShmConfig
     from testkit.encoders import EncoderDouble
     from testkit.servers import server_config
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from encoder_server.leases import LeaseConfig, LeaseStore
-from encoder_server.shm import ShmConfig
+from encoder_server.transports.shm import ShmConfig
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver
 from receiver.channels import EncoderEndpoint

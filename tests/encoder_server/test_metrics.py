@@ -19,7 +19,7 @@ from encoder_common.errors import ERROR_TABLE, outcome_for
 from encoder_server.batcher import BatchingConfig
 from encoder_server.metrics import CacheStats
 from encoder_server.models import load_vision_encoder
-from encoder_server.shm import ShmConfig
+from encoder_server.transports.shm import ShmConfig
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver, ShardError
 from testkit.images import image_bytes
@@ -188,7 +188,7 @@ async def test_shared_memory_stats_are_exported(default_model_dir):
             result = await rx.encode("shm-metrics", images)
         sizes = [item.embedding.numel() * item.embedding.element_size() for item in result.items]
         del result  # the items' tensors are views of their segments: freeing them releases both
-        assert server.shm.outstanding() == []  # the server saw the receiver release both segments
+        assert server.transports["shm"].outstanding() == []  # the server saw the receiver release both segments
         samples = scrape(server.metrics_port)
     assert value(at_rest, "encoder_shm_items_total") == 0 and value(at_rest, "encoder_shm_pool_segments") == 0
     assert value(samples, "encoder_shm_items_total") == 2

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-import encoder_server.shm
+import encoder_server.transports.shm.pool
 from encoder_server.batcher import BatchingConfig
-from encoder_server.shm import ShmConfig, ShmSegments
+from encoder_server.transports.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
 from protos import wire
 from encoder_common.copies import SPLIT_FROM, copy_bytes
@@ -28,7 +28,9 @@ from protos.shm import SERVER_KIND, item_proof, new_instance, random_name, segme
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
 from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
-from receiver.shm import Placement, ShmReceiver
+from receiver.transports import Placement
+from receiver.transports.shm import ShmReceiver
+from receiver.transports.stream import StreamTransport
 from testkit import REPO_ROOT
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
@@ -122,12 +124,12 @@ async def test_real_model_results_are_byte_identical_to_the_grpc_stream(default_
             stats = rx.transfer_stats
         async with EncoderReceiver([server.url], transfer="grpc") as rx:
             over_grpc = await rx.encode("grpc", images)
-        assert server.shm.stats.items == 3 and len(server.shm.outstanding()) == 3  # under the results
+        assert server.transports["shm"].stats.items == 3 and len(server.transports["shm"].outstanding()) == 3  # under the results
         assert stats.items_shm == 3 and stats.items_grpc == 0
         assert over_shm.items[-1].embedding.numel() * 4 > 4 << 20
         assert_same_bytes(over_shm, over_grpc)
         del over_shm
-        assert server.shm.outstanding() == []
+        assert server.transports["shm"].outstanding() == []
 
 
 async def test_bf16_with_deepstack_is_byte_identical_and_lands_in_each_items_slot(shm_server):
@@ -155,7 +157,7 @@ async def test_results_are_views_of_their_segments_that_outlive_the_call_and_fre
     """The zero-copy result is an ordinary tensor: kept, changed in place, pickled, kept past the
     receiver's close; its segment is never rewritten while it lives, and released when it goes."""
     async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig()) as server:
-        instance = server.shm.instance
+        instance = server.transports["shm"].instance
         async with EncoderReceiver([server.url], transfer="shm") as rx:
             kept = (await rx.encode("kept", items(1))).items[0]
             assert len(segments_of(instance)) == 1  # held by `kept`
@@ -164,14 +166,14 @@ async def test_results_are_views_of_their_segments_that_outlive_the_call_and_fre
                 (other,) = (await rx.encode(f"other-{i}", items(1, first_width=30 + i))).items
                 assert torch.equal(other.embedding, server.encoder.output(30 + i).embedding)
             del other
-            assert len(segments_of(instance)) == 1 and server.shm.outstanding() == [segments_of(instance)[0]]
+            assert len(segments_of(instance)) == 1 and server.transports["shm"].outstanding() == [segments_of(instance)[0]]
         assert torch.equal(kept.embedding, want.embedding) and torch.equal(kept.deepstack, want.deepstack)
         assert torch.equal(pickle.loads(pickle.dumps(kept.embedding)), want.embedding)
         kept.embedding.mul_(2)  # in place, like any tensor
         assert torch.equal(kept.embedding, want.embedding * 2)
         del kept
-        assert await wait_until(lambda: segments_of(instance) == [] and server.shm.outstanding() == [])
-        assert server.shm.stats.reclaimed_timeout == 0 and server.shm.stats.reclaimed_cancel == 0
+        assert await wait_until(lambda: segments_of(instance) == [] and server.transports["shm"].outstanding() == [])
+        assert server.transports["shm"].stats.reclaimed_timeout == 0 and server.transports["shm"].stats.reclaimed_cancel == 0
 
 
 async def test_a_segment_held_past_the_release_timeout_leaves_the_pool_and_stays_intact(default_model_dir):
@@ -180,8 +182,8 @@ async def test_a_segment_held_past_the_release_timeout_leaves_the_pool_and_stays
     ) as server:
         async with EncoderReceiver([server.url], transfer="shm") as rx:
             kept = (await rx.encode("kept", items(1))).items[0]
-            assert await wait_until(lambda: server.shm.stats.reclaimed_timeout == 1)
-            assert segments_of(server.shm.instance) == [] and server.shm.pool_bytes == 0
+            assert await wait_until(lambda: server.transports["shm"].stats.reclaimed_timeout == 1)
+            assert segments_of(server.transports["shm"].instance) == [] and server.transports["shm"].pool_bytes == 0
             for i in range(3):  # new segments for these: the timed-out one is never written again
                 await rx.encode(f"other-{i}", items(1, first_width=40 + i))
         assert torch.equal(kept.embedding, server.encoder.output(8).embedding)
@@ -189,14 +191,14 @@ async def test_a_segment_held_past_the_release_timeout_leaves_the_pool_and_stays
 
 async def test_no_segment_left_after_normal_use_and_nothing_after_stop(default_model_dir):
     async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig()) as server:
-        instance = server.shm.instance
+        instance = server.transports["shm"].instance
         async with EncoderReceiver([server.url], transfer="shm") as rx:
             for n in (1, 4):
                 await rx.encode(f"n{n}", items(n))
-            probe = rx._shm.probe
+            probe = rx._transport.probe
             assert probe in os.listdir(shm_dir())
-            assert segments_of(instance) == [] and server.shm.outstanding() == []
-            assert server.shm.stats.released == 5
+            assert segments_of(instance) == [] and server.transports["shm"].outstanding() == []
+            assert server.transports["shm"].stats.released == 5
             assert any(".pool." in name for name in files_of(instance))  # kept warm for reuse
         assert probe not in os.listdir(shm_dir())
     assert files_of(instance) == []
@@ -214,7 +216,7 @@ async def test_budget_bounds_segments_and_items_beyond_it_go_over_grpc(default_m
         ) as rx:  # proven per-item fallback is no error
             got = await rx.encode("shm", items(6))
             stats = rx.transfer_stats
-        assert server.shm.stats.peak_bytes <= 7 << 20 and server.shm.pool_bytes <= 7 << 20
+        assert server.transports["shm"].stats.peak_bytes <= 7 << 20 and server.transports["shm"].pool_bytes <= 7 << 20
     assert_same_bytes(got, want)
     assert stats.items_shm >= 1 and stats.items_shm + stats.fallbacks["budget_full"] == 6
     assert set(stats.fallbacks) <= {"budget_full"}
@@ -225,7 +227,7 @@ async def test_budget_bounds_segments_and_items_beyond_it_go_over_grpc(default_m
         async with EncoderReceiver([server.url]) as rx:
             got = await rx.encode("tiny", items(6))
             stats = rx.transfer_stats
-        assert server.shm.stats.peak_bytes == 0 and server.shm.stats.fallbacks == {"budget_full": 6}
+        assert server.transports["shm"].stats.peak_bytes == 0 and server.transports["shm"].stats.fallbacks == {"budget_full": 6}
     assert_same_bytes(got, want)
     assert stats.items_shm == 0 and stats.fallbacks == {"budget_full": 6}
 
@@ -242,7 +244,7 @@ async def test_shm_mode_fails_and_auto_falls_back_when_the_server_lacks_shm_tran
         assert rx.transfer_stats.fallbacks == {"disabled": 2} and rx.transfer_stats.items_shm == 0
     async with EncoderReceiver([shm_server.url], transfer="grpc") as rx:
         assert_same_bytes(got, await rx.encode("grpc", items(2)))
-        assert rx._shm is None
+        assert isinstance(rx._transport, StreamTransport)
     with pytest.raises(ValueError, match="transfer must be one of"):
         EncoderReceiver([plain_server.url], transfer="tcp")
 
@@ -259,7 +261,7 @@ async def test_a_server_that_cannot_see_the_probe_is_not_used(default_model_dir,
         async with EncoderReceiver([server.url], transfer="shm") as rx:
             with pytest.raises(ShardError, match="cannot read this receiver's probe"):
                 await rx.encode("strict", items(2))
-        assert server.shm.stats.items == 0
+        assert server.transports["shm"].stats.items == 0
 
 
 async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_token(shm_server):
@@ -271,7 +273,7 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
     try:
         headers = [message async for message in endpoint.encode(request, timeout=30)]
         names = [header.shm.segment for header in headers]
-        instance = shm_server.shm.instance
+        instance = shm_server.transports["shm"].instance
         assert len(set(names)) == 3
         for name in names:
             path = shm_dir() / name
@@ -283,7 +285,7 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
                 other = subprocess.run(["cat", str(path)], user=NOBODY, capture_output=True, timeout=30)
                 assert other.returncode != 0 and b"Permission denied" in other.stderr
             path.unlink()  # what a receiver does once it has the bytes
-        assert shm_server.shm.outstanding() == []
+        assert shm_server.transports["shm"].outstanding() == []
     finally:
         await endpoint.close()
         shm.close()
@@ -297,10 +299,10 @@ async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
         call = endpoint.encode(offer_request("cancel", shm, 3), timeout=60)
         first = await call.read()  # the next item is held in its forward
         assert first.shm.segment in os.listdir(shm_dir())
-        before = slow_server.shm.stats.reclaimed_cancel
+        before = slow_server.transports["shm"].stats.reclaimed_cancel
         call.cancel()
-        assert await wait_until(lambda: segments_of(slow_server.shm.instance) == [])
-        assert slow_server.shm.stats.reclaimed_cancel - before >= 1 and slow_server.shm.outstanding() == []
+        assert await wait_until(lambda: segments_of(slow_server.transports["shm"].instance) == [])
+        assert slow_server.transports["shm"].stats.reclaimed_cancel - before >= 1 and slow_server.transports["shm"].outstanding() == []
     finally:
         await settle(slow_server)
         await endpoint.close()
@@ -316,13 +318,13 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
         call = endpoint.encode(offer_request("deadline", shm, 4), timeout=DEADLINE_S)
         first = await call.read()
         assert first.shm.segment in os.listdir(shm_dir())
-        before = server.shm.stats.reclaimed_cancel
+        before = server.transports["shm"].stats.reclaimed_cancel
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             while await call.read() is not grpc.aio.EOF:  # headers only: nobody reads their segments
                 pass
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert await wait_until(lambda: segments_of(server.shm.instance) == [])
-        assert server.shm.stats.reclaimed_cancel - before >= 1
+        assert await wait_until(lambda: segments_of(server.transports["shm"].instance) == [])
+        assert server.transports["shm"].stats.reclaimed_cancel - before >= 1
     finally:
         await settle(server)
         await endpoint.close()
@@ -335,7 +337,7 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
     finally:
         await settle(server)
     assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert await wait_until(lambda: segments_of(server.shm.instance) == [] and server.shm.outstanding() == [])
+    assert await wait_until(lambda: segments_of(server.transports["shm"].instance) == [] and server.transports["shm"].outstanding() == [])
 
 
 RECEIVER_SCRIPT = """
@@ -344,7 +346,7 @@ from PIL import Image
 from protos import encoder_pb2 as pb
 from receiver.buffers import BufferPool
 from receiver.channels import EncoderEndpoint
-from receiver.shm import ShmReceiver
+from receiver.transports.shm import ShmReceiver
 
 def image_bytes(width, height):
     buf = io.BytesIO()
@@ -401,9 +403,9 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
         # The cut call's segment goes at once, the whole call's after 5 s, the probe at the next sweep.
         gone = lambda: not set([*segments, probe]) & set(os.listdir(shm_dir()))  # noqa: E731
         assert await wait_until(gone)
-        stats = server.shm.stats
+        stats = server.transports["shm"].stats
         assert stats.reclaimed_timeout >= 1 and stats.reclaimed_cancel >= 1
-        assert server.shm.outstanding() == []
+        assert server.transports["shm"].outstanding() == []
 
 
 async def test_server_sigkill_leaves_files_that_receivers_and_the_next_server_remove(
@@ -525,7 +527,7 @@ class TestRefusal:
 
 
 async def test_refused_segments_are_fetched_again_over_the_stream(shm_server, monkeypatch):
-    real = encoder_server.shm.segment_header
+    real = encoder_server.transports.shm.pool.segment_header
 
     def wrong_index(header, proof):
         shifted = pb.ItemHeader()
@@ -535,13 +537,13 @@ async def test_refused_segments_are_fetched_again_over_the_stream(shm_server, mo
 
     async with EncoderReceiver([shm_server.url], transfer="grpc") as rx:
         want = await rx.encode("grpc", items(3))
-    monkeypatch.setattr(encoder_server.shm, "segment_header", wrong_index)
+    monkeypatch.setattr(encoder_server.transports.shm.pool, "segment_header", wrong_index)
     async with EncoderReceiver([shm_server.url], transfer="shm") as rx:
         got = await rx.encode("refused", items(3))
         stats = rx.transfer_stats
     assert_same_bytes(got, want)
     assert stats.items_shm == 0 and stats.fallbacks == {"header_mismatch": 3}
-    assert await wait_until(lambda: segments_of(shm_server.shm.instance) == [])
+    assert await wait_until(lambda: segments_of(shm_server.transports["shm"].instance) == [])
 
 
 @pytest.mark.parametrize("nbytes", [SPLIT_FROM - 1, 3 * SPLIT_FROM + 7])
@@ -624,7 +626,7 @@ async def test_small_payloads_go_as_chunks(default_model_dir):
         async with EncoderReceiver([server.url], transfer="shm") as rx:  # proven, so no error
             result = await rx.encode("tiny", items(2))
             assert rx.transfer_stats.fallbacks == {"small_item": 2}
-        assert server.shm.stats.items == 0 and server.shm.pool_bytes == 0
+        assert server.transports["shm"].stats.items == 0 and server.transports["shm"].pool_bytes == 0
     assert torch.equal(result.items[1].embedding, tiny.output(9).embedding)
 
 
@@ -643,13 +645,13 @@ async def test_a_receiver_touches_shared_memory_only_when_a_call_can_use_it(
     left = leave_a_dead_instance(tmp_path)
     async with EncoderReceiver([plain_server.url], transfer="grpc") as rx:
         await rx.encode("grpc", items(1))
-        assert rx._shm is None and set(os.listdir(tmp_path)) == left
+        assert isinstance(rx._transport, StreamTransport) and set(os.listdir(tmp_path)) == left
     remote = "grpc://192.0.2.1:50051"  # TEST-NET-1: an address of no machine here
     async with EncoderReceiver([remote]) as rx:
-        assert rx._shm.offer(remote) is None  # "auto" offers nothing to another machine
+        assert rx._transport.offer(remote) is None  # "auto" offers nothing to another machine
         assert set(os.listdir(tmp_path)) == left
     async with EncoderReceiver([plain_server.url]) as rx:
         assert set(os.listdir(tmp_path)) == left  # "auto": nothing swept, no probe, until a call
         await rx.encode("auto", items(1))  # loopback: the encoder could share this host
-        assert set(os.listdir(tmp_path)) == {rx._shm.probe}  # the dead instance swept, the probe made
+        assert set(os.listdir(tmp_path)) == {rx._transport.probe}  # the dead instance swept, the probe made
     assert os.listdir(tmp_path) == []

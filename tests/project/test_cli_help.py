@@ -18,7 +18,7 @@ from encoder_server import cli
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig, pixels_or_engine, port_or_off
 from encoder_server.sglang.config import sglang_release
-from encoder_server.shm import ShmConfig
+from encoder_server.transports.shm import ShmConfig
 from encoder_common.sources import SourcePolicy, networks, root_paths
 from encoder_server.tls import TlsConfig
 from receiver import cli as client_cli

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from encoder_server.shm import ShmConfig
+from encoder_server.transports.shm import ShmConfig
 from receiver import EncoderReceiver, ItemResult
 from receiver.item_cache import ItemCache
 from testkit.images import image_bytes

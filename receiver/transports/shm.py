@@ -1,10 +1,10 @@
-"""Receiver side of the same-host fast path: the probe that lets a server prove it shares this host's
-memory, and turning an announced segment into the item's tensor without a copy: the tensor is a view
-of the segment, and the segment goes back to the server (its name unlinked) when the tensor is freed."""
+"""Shared memory, the same-host transport, receiver side: the probe that lets a server prove it shares
+this host's memory, and turning an announced segment into the item's tensor without a copy: the tensor
+is a view of the segment, and the segment goes back to the server (its name unlinked) when the tensor
+is freed."""
 
 from __future__ import annotations
 
-import enum
 import functools
 import ipaddress
 import logging
@@ -15,10 +15,9 @@ import socket
 import stat
 import time
 import weakref
-from collections import Counter, OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,7 +27,11 @@ from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos import encoder_pb2 as pb
 from protos.shm import HEADER_BYTES, RECEIVER_KIND, TOKEN_BYTES, is_segment_name, item_proof, new_instance, segment_header
 
-from .channels import grpc_target
+from ..channels import grpc_target
+from . import Placement, TransferStats
+
+if TYPE_CHECKING:
+    from ..assembly import PayloadReader
 
 log = logging.getLogger(__name__)
 
@@ -36,27 +39,6 @@ log = logging.getLogger(__name__)
 _MAX_MAPPINGS = 64
 # How often reading lets go of mappings whose segment the server gave up (its memory is ours alone then).
 _FORGET_DROPPED_S = 1.0
-
-
-class Placement(enum.Enum):
-    """Where an item's payload is, once its header has been read."""
-
-    FILLED = "filled"  # the item's tensor is a view of its shared-memory segment
-    CHUNKS = "chunks"  # follows on the stream as chunks
-    REFETCH = "refetch"  # announced in a segment that could not be used: fetch the item again
-
-
-@dataclass
-class TransferStats:
-    """Items of a receiver's calls that offered shared memory: how many took it, and why others did not."""
-
-    items_shm: int = 0
-    bytes_shm: int = 0
-    fallbacks: Counter[str] = field(default_factory=Counter)  # reason -> items that came over gRPC
-
-    @property
-    def items_grpc(self) -> int:
-        return sum(self.fallbacks.values())
 
 
 class _Refused(Exception):
@@ -117,11 +99,6 @@ class ShmReceiver:
         if strict:
             self._make_probe()
 
-    @classmethod
-    def for_transfer(cls, transfer: str) -> ShmReceiver | None:
-        """The fast path for `transfer`: None for "grpc"."""
-        return None if transfer == "grpc" else cls(strict=transfer == "shm")
-
     def _make_probe(self) -> bool:
         """Sweeps what dead encoders and receivers left, then makes this receiver's probe; once."""
         if self._finalizer is not None or self._unusable:
@@ -153,9 +130,13 @@ class ShmReceiver:
             return None
         return pb.ShmOffer(probe=self.probe) if self._make_probe() else None
 
-    def reader(self, request_id: str) -> Callable[[pb.ItemHeader], tuple[Placement, torch.Tensor | None]]:
-        """`take` for one call."""
-        return functools.partial(self.take, request_id)
+    def open_call(self, request: pb.EncodeRequest | pb.FetchRequest, url: str) -> PayloadReader | None:
+        """`offer` put in `request`, and `take` for that call's headers (see receiver.transports)."""
+        offer = self.offer(url)
+        if offer is None:
+            return None
+        request.shm.CopyFrom(offer)
+        return functools.partial(self.take, request.request_id)
 
     def take(self, request_id: str, header: pb.ItemHeader) -> tuple[Placement, torch.Tensor | None]:
         """Where the item's payload is and, when the header announces a segment and everything checks

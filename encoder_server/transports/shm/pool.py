@@ -1,22 +1,11 @@
-"""Server side of the same-host fast path: each item's payload is written once into a warm segment of
-a bounded pool and announced under a fresh name; the receiver's tensor is a view of that segment,
-and its name is unlinked when the tensor is freed. A reaper takes back what receivers never release.
-
-A pool segment is a file `<instance>.pool.<random>` under /dev/shm, allocated once (fallocate, so a
-full volume shows up as ENOSPC here and never as SIGBUS later) and kept mapped. To announce an
-item, the server hard-links it as `<instance>.seg.<random>`: a name used once. The receiver's unlink
-drops the link count back to 1, which the server sees with an fstat and reuses the segment.
-Reusing warm pages matters: filling fresh tmpfs pages costs several times a copy into warm ones.
-A segment taken back while its name was still there (a receiver past the release timeout, a call
-cancelled) may still be under a receiver's tensor, so it leaves the pool instead: it is never
-written again, and its memory goes when the last mapping of it does.
-"""
+"""The server's pool of shared-memory segments: its budget and settings, the placing of a payload in
+a segment of the receiver's user, the taking back of what a call left or a receiver never released,
+and the reaper that gives idle segments back to the OS."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
 import stat
 import time
@@ -25,12 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-from encoder_common.copies import copy_bytes
 from encoder_common.env_flags import flag
-from protos import encoder_pb2 as pb
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
+from protos import encoder_pb2 as pb
 from protos.shm import (
     HEADER_BYTES,
     SERVER_KIND,
@@ -41,6 +27,10 @@ from protos.shm import (
     random_name,
     segment_header,
 )
+
+from .call import ShmCall
+from .metrics import ShmCollector
+from .segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -86,65 +76,28 @@ class PoolSize:
     bytes: int
 
 
-class _Segment:
-    """One pool file, mapped read-write for the server's whole life."""
-
-    def __init__(self, directory: Path, instance: str, capacity: int, owner: int):
-        self.path = directory / random_name(instance, "pool")
-        self.capacity = capacity
-        self.owner = owner
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            if owner != os.geteuid():
-                os.fchown(fd, owner, -1)  # a root server serving another user's receiver
-            os.posix_fallocate(fd, 0, capacity)
-            self._map = mmap.mmap(fd, capacity)
-        except BaseException:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise
-        self.fd = fd
-        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
-        self.public: Path | None = None  # the announced name while a receiver has not released it
-        self.taken_back = False  # taken back unreleased: a receiver may still map it, never reuse it
-        self.placed_at = 0.0
-        self.last_used = time.monotonic()
-
-    def released(self) -> bool:
-        return os.fstat(self.fd).st_nlink < 2
-
-    def write(self, header: bytes, parts: Sequence[memoryview]) -> None:
-        """Header last, and zeroed first: a receiver still reading an old use sees the change."""
-        self._map[:HEADER_BYTES] = bytes(HEADER_BYTES)
-        offset = HEADER_BYTES
-        for part in parts:
-            flat = np.frombuffer(part, dtype=np.uint8)
-            copy_bytes(self.bytes[offset : offset + len(flat)], flat)  # into pages already there
-            offset += len(flat)
-        self._map[:HEADER_BYTES] = header
-
-    def close(self) -> None:
-        for path in (self.public, self.path):
-            if path is not None:
-                path.unlink(missing_ok=True)
-        del self.bytes
-        self._map.close()
-        os.close(self.fd)
-
-
 class ShmSegments:
-    """The server's pool of segments, its budget, and the reaper. Used from the event loop only."""
+    """The server's pool of segments, its budget, and the reaper: shared memory's entry in the transport
+    registry (encoder_server/transports). Used from the event loop only, but for `pool()`."""
 
     def __init__(self, config: ShmConfig):
         self.config = config
         self.directory = config.directory or shm_dir()
         self.instance = new_instance(SERVER_KIND)
         self.stats = ShmStats()
-        self._segments: list[_Segment] = []
+        self._segments: list[Segment] = []
         self._lock_fd: int | None = None
         self._reaper: asyncio.Task | None = None
         self._warned: set[str] = set()
+
+    @staticmethod
+    def open_call(segments: ShmSegments | None, request: pb.EncodeRequest | pb.FetchRequest) -> ShmCall | None:
+        """The call's use of shared memory when its receiver offered it (`segments` None: this server
+        runs without --shm-transfer, which the item headers then say); None when it did not."""
+        return ShmCall(segments, request) if request.HasField("shm") else None
+
+    def collector(self) -> ShmCollector:
+        return ShmCollector(self)
 
     @property
     def pool_bytes(self) -> int:
@@ -209,7 +162,7 @@ class ShmSegments:
 
     def place(
         self, header: pb.ItemHeader, parts: Sequence[memoryview], token: bytes, owner: int, request_id: str
-    ) -> _Segment | None:
+    ) -> Segment | None:
         """Writes the payload into a segment of `owner`'s and fills `header.shm`; None: it goes as chunks."""
         if header.payload_bytes < self.config.min_bytes:
             return self._as_chunks(header, pb.SHM_SMALL_ITEM, token, request_id)
@@ -243,7 +196,7 @@ class ShmSegments:
         header.shm.fallback = reason
         self.stats.fallbacks[pb.ShmFallback.Name(reason).removeprefix("SHM_").lower()] += 1
 
-    def take_back(self, segment: _Segment, public: Path) -> None:
+    def take_back(self, segment: Segment, public: Path) -> None:
         """Unlinks an announced name of a call that ended early (cancel, deadline, error)."""
         if segment.public != public:
             return  # released (or taken back) already, maybe reused since
@@ -253,7 +206,7 @@ class ShmSegments:
             self.stats.released += 1
         self._drop_taken_back()
 
-    def _acquire(self, size: int, owner: int) -> _Segment | None:
+    def _acquire(self, size: int, owner: int) -> Segment | None:
         free = self._free_fitting(size, owner)
         if not free:
             self._collect(time.monotonic())  # an fstat per announced segment: only when it may help
@@ -269,12 +222,12 @@ class ShmSegments:
             self._drop(free.pop(0))
         if self.pool_bytes + capacity > self.config.max_bytes:
             return None
-        segment = _Segment(self.directory, self.instance, capacity, owner)
+        segment = Segment(self.directory, self.instance, capacity, owner)
         self._segments.append(segment)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.pool_bytes)
         return segment
 
-    def _free_fitting(self, size: int, owner: int) -> list[_Segment]:
+    def _free_fitting(self, size: int, owner: int) -> list[Segment]:
         # Never across owners: a receiver keeps the segments it read mapped, so a segment handed to
         # another user would show that user's embeddings to the first.
         return [s for s in self._segments if s.public is None and s.capacity >= size and s.owner == owner]
@@ -298,7 +251,7 @@ class ShmSegments:
         self._drop_taken_back()
         return announced
 
-    def _unannounce(self, segment: _Segment) -> bool:
+    def _unannounce(self, segment: Segment) -> bool:
         """Unlinks the segment's announced name; False when its receiver had unlinked it already.
 
         A segment whose name was still there may be under a receiver's tensor: it is marked to leave
@@ -318,7 +271,7 @@ class ShmSegments:
         for segment in [s for s in self._segments if s.taken_back]:
             self._drop(segment)
 
-    def _drop(self, segment: _Segment) -> None:
+    def _drop(self, segment: Segment) -> None:
         self._segments.remove(segment)
         segment.close()
 
@@ -347,46 +300,3 @@ class ShmSegments:
         level = logging.DEBUG if key in self._warned else logging.WARNING
         self._warned.add(key)
         log.log(level, message, *args)
-
-
-class ShmCall:
-    """One Encode call's use of the fast path: whether it was offered and proven, and its segments."""
-
-    def __init__(self, segments: ShmSegments | None, request: pb.EncodeRequest):
-        self.offered = request.HasField("shm")
-        self.request_id = request.request_id
-        self._segments = segments
-        self._probe = (
-            segments.read_probe(request.shm.probe) if self.offered and segments is not None else None
-        )
-        self._placed: list[tuple[_Segment, Path]] = []
-        self._handed_over = False
-
-    def place(self, header: pb.ItemHeader, parts: Sequence[memoryview]) -> bool:
-        """Puts the item's payload (its bytes, part after part) in shared memory when it can; False:
-        send it as chunks."""
-        if not self.offered:
-            return False
-        if self._segments is None:
-            header.shm.fallback = pb.SHM_DISABLED
-            return False
-        if self._probe is None:
-            self._segments.fallback(header, pb.SHM_PROBE_UNREADABLE)
-            return False
-        token, owner = self._probe
-        segment = self._segments.place(header, parts, token, owner, self.request_id)
-        if segment is None:
-            return False
-        self._placed.append((segment, segment.public))
-        return True
-
-    def hand_over(self) -> None:
-        """The stream completed: releasing its segments is up to the receiver (or the reaper) now."""
-        self._handed_over = True
-
-    def close(self) -> None:
-        """Takes back the segments of a call that did not complete."""
-        if self._segments is not None and not self._handed_over:
-            for segment, public in self._placed:
-                self._segments.take_back(segment, public)
-        self._placed.clear()

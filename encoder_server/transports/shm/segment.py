@@ -1,0 +1,62 @@
+"""One segment of the server's shared-memory pool: a file under /dev/shm, allocated once and kept
+mapped read-write for the server's whole life, written item after item once its receiver released it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from encoder_common.copies import copy_bytes
+from protos.shm import HEADER_BYTES, random_name
+
+
+class Segment:
+    """One pool file, mapped read-write for the server's whole life."""
+
+    def __init__(self, directory: Path, instance: str, capacity: int, owner: int):
+        self.path = directory / random_name(instance, "pool")
+        self.capacity = capacity
+        self.owner = owner
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            if owner != os.geteuid():
+                os.fchown(fd, owner, -1)  # a root server serving another user's receiver
+            os.posix_fallocate(fd, 0, capacity)
+            self._map = mmap.mmap(fd, capacity)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        self.fd = fd
+        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self.public: Path | None = None  # the announced name while a receiver has not released it
+        self.taken_back = False  # taken back unreleased: a receiver may still map it, never reuse it
+        self.placed_at = 0.0
+        self.last_used = time.monotonic()
+
+    def released(self) -> bool:
+        return os.fstat(self.fd).st_nlink < 2
+
+    def write(self, header: bytes, parts: Sequence[memoryview]) -> None:
+        """Header last, and zeroed first: a receiver still reading an old use sees the change."""
+        self._map[:HEADER_BYTES] = bytes(HEADER_BYTES)
+        offset = HEADER_BYTES
+        for part in parts:
+            flat = np.frombuffer(part, dtype=np.uint8)
+            copy_bytes(self.bytes[offset : offset + len(flat)], flat)  # into pages already there
+            offset += len(flat)
+        self._map[:HEADER_BYTES] = header
+
+    def close(self) -> None:
+        for path in (self.public, self.path):
+            if path is not None:
+                path.unlink(missing_ok=True)
+        del self.bytes
+        self._map.close()
+        os.close(self.fd)
