@@ -41,7 +41,8 @@ class Placement(enum.Enum):
 
 @dataclass
 class TransferStats:
-    """Items of a receiver's calls that offered shared memory: how many took it, and why others did not."""
+    """What a receiver's transport moved (`EncoderReceiver.transfer_stats`): items that came through shared
+    memory, and why others that were offered it came over the stream. The stream's stays empty."""
 
     items_shm: int = 0
     bytes_shm: int = 0
