@@ -18,9 +18,9 @@ from protos import encoder_pb2 as pb
 from .leases import LeaseStore
 from .metrics import RequestRecord
 from .payload import ItemPayload
+from .streams import StreamCharge, StreamCut
 from .transports import CallTransport
 from .transports.stream import STREAM
-from .streams import StreamCharge, StreamCut
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,10 +90,10 @@ async def encode_shard(
     """
     indices = [index for index, _ in items]
     withheld = lease is not None and lease.withhold_payload
-    header = pb.EncodeRequest(request_id=request_id, lease=lease)
-    read_placed = None if withheld else transport.open_call(header, endpoint.url)
+    fields = pb.EncodeRequest(request_id=request_id, lease=lease)  # the request but for its items
+    read_placed = None if withheld else transport.open_call(fields, endpoint.url)
     request = wire.encode_request(
-        header, [(pb.ImageItem(index=index, modality=pb.IMAGE), data) for index, data in items]
+        fields, [(pb.ImageItem(index=index, modality=pb.IMAGE), data) for index, data in items]
     )
     assembler = ShardAssembler(indices, endpoint.url, read_placed, payloads=not withheld)
 
