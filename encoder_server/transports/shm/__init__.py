@@ -16,7 +16,6 @@ written again, and its memory goes when the last mapping of it does.
 Prometheus counts. The segment header and the proof both sides compute are in `protos/shm.py`.
 """
 
-from .call import ShmCall
-from .pool import ShmConfig, ShmSegments, ShmStats
+from .pool import ShmConfig, ShmSegments
 
-__all__ = ["ShmCall", "ShmConfig", "ShmSegments", "ShmStats"]
+__all__ = ["ShmConfig", "ShmSegments"]
