@@ -23,7 +23,10 @@ from testkit.vllm_server import connector_transfer_config, free_port, launch_vll
 
 MODEL = "tiny"  # every configuration's served model name
 MAX_IMAGES = 4
-VLLM_FLAGS = ("--served-model-name", MODEL, "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0")
+# The processor cache stays on: with it and prefix caching both off, vLLM names each image by a per-instance
+# request counter instead of its content (renderers/base.py::_process_mm_uuids), and an EPD encoder and
+# consumer would then key the same image differently.
+VLLM_FLAGS = ("--served-model-name", MODEL, "--no-enable-prefix-caching")
 SGLANG_FLAGS = ("--served-model-name", MODEL)
 PEERS = ("vllm-alone", "vllm-epd", "sglang-alone", "sglang-epd")  # the engines' own configurations
 
