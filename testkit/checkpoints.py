@@ -430,3 +430,16 @@ def rename_prefixes(model_dir: Path, renames: Mapping[str, str]) -> None:
         return name
 
     rewrite_tensors(model_dir, lambda tensors: {renamed(name): t for name, t in tensors.items()})
+
+
+def qwen2_5_vl_7b_tower(depth: int = 32) -> dict:
+    """The vision_config of Qwen2.5-VL-7B's tower at its real width; `depth` 32 is the real model."""
+    return dict(
+        depth=depth,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=3584,
+        fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < depth] or [depth - 1],
+        window_size=112,
+    )

@@ -18,31 +18,30 @@ from testkit.engine_files import write_engine_files
 
 DEFAULT_MODEL_DIR = Path("models/default-qwen2_5_vl")
 SEED = 0
+# The default model's Qwen2.5-VL vision tower: 4 blocks of width 128.
+TINY_TOWER = dict(
+    depth=4, hidden_size=128, intermediate_size=256, num_heads=4, fullatt_block_indexes=[1, 3], window_size=112
+)
 # Special token ids of the tiny vocabulary, shared by the language model's config and the VLM's.
 SPECIAL_TOKENS = dict(bos_token_id=1004, eos_token_id=1005, pad_token_id=1006)
 
 
-def write_default_model(out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size: int = 2048) -> Path:
+def write_default_model(
+    out_dir: str | Path = DEFAULT_MODEL_DIR, *, hidden_size: int = 2048, vision_config: dict | None = None
+) -> Path:
     """Builds the full tiny VLM (language model included), saves it in bf16 with what an engine needs to
-    serve it, returns the directory."""
+    serve it, returns the directory. `vision_config` replaces the tiny tower (its `out_hidden_size` is the
+    language model's `hidden_size`)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     out_dir = Path(out_dir)
     config = Qwen2_5_VLConfig(
-        vision_config=dict(
-            depth=4,
-            hidden_size=128,
-            intermediate_size=256,
-            num_heads=4,
-            out_hidden_size=hidden_size,
-            fullatt_block_indexes=[1, 3],
-            window_size=112,
-        ),
+        vision_config=vision_config or TINY_TOWER | {"out_hidden_size": hidden_size},
         text_config=dict(
             hidden_size=hidden_size,
             intermediate_size=256,
             num_hidden_layers=1,
-            num_attention_heads=16,
+            num_attention_heads=hidden_size // 128,  # head size 128, which vLLM's CPU attention runs
             num_key_value_heads=2,
             vocab_size=1024,
             **SPECIAL_TOKENS,

@@ -37,7 +37,9 @@ def run_plan(plan: dict) -> None:
         )
         print(f"== {run['result_filename']}: {run['base_url']}", flush=True)
         main(args)
-    check = plan["token_check"]
+    check = plan.get("token_check")
+    if check is None:
+        return
     args = parser.parse_args(plan["args"])
     tokenizer = get_tokenizer(args.tokenizer)
     token_ids = {}
@@ -50,7 +52,7 @@ def run_plan(plan: dict) -> None:
 
 
 async def _token_ids(samples, urls: dict[str, str], args) -> dict[str, list]:
-    """Per path, per request: its greedy token ids, or the error it got."""
+    """Per path, per request: its greedy token ids (or texts), or the error it got."""
     gate = asyncio.Semaphore(TOKEN_CHECK_CONCURRENCY)
 
     async def one(session: aiohttp.ClientSession, url: str, sample) -> list[int] | str:
@@ -67,13 +69,18 @@ async def _token_ids(samples, urls: dict[str, str], args) -> dict[str, list]:
             if reply.status != 200:
                 return f"HTTP {reply.status}: {await reply.text()}"
             content = (await reply.json())["choices"][0]["logprobs"]["content"]
-            return [int(step["token"].removeprefix("token_id:")) for step in content]
+            # vLLM writes "token_id:<id>"; SGLang, which has no such option, the token's text
+            return [_token(step["token"]) for step in content]
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         return {
             path: list(await asyncio.gather(*(one(session, url, sample) for sample in samples)))
             for path, url in urls.items()
         }
+
+
+def _token(token: str) -> int | str:
+    return int(token.removeprefix("token_id:")) if token.startswith("token_id:") else token
 
 
 if __name__ == "__main__":
