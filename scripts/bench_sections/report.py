@@ -74,83 +74,42 @@ RATE_ROWS = [  # section, figure, (key, label) of ours, (key, label) of the base
 
 def transport_size_rows(size: str, r: dict) -> list[Row]:
     """The rows of one item size: the stream's four modes, shared memory, one-item latency, ceilings."""
-    g = r["gbps"]
+    g, c = r["gbps"], r["ceilings"]
     best_bare = f"bare grpcio {max(g['bare_seq'], g['bare_x4']):.2f} GB/s (seq {g['bare_seq']:.2f}, x{IN_FLIGHT} {g['bare_x4']:.2f})"
-    rows: list[Row] = []
-    for mode in ("cached_seq", "cached_x4", "computed_seq", "computed_x4"):
-        same = r["stream_vs_bare_same_mode"][f"stream_{mode}"]
-        rows.append(
-            (
-                f"stream {size} {mode.replace('_', ' ')}",
-                f"ours {g[f'stream_{mode}']:.2f} GB/s",
-                best_bare,
-                f"{r['stream_vs_best_bare'][f'stream_{mode}']:.2f}x ({same:.2f}x of bare {mode.split('_')[1]})",
-            )
-        )
+    rows: list[Row] = [
+        (f"stream {size} {mode.replace('_', ' ')}", f"ours {g[f'stream_{mode}']:.2f} GB/s", best_bare,
+         (f"{r['stream_vs_best_bare'][f'stream_{mode}']:.2f}x ({r['stream_vs_bare_same_mode'][f'stream_{mode}']:.2f}x "
+          f"of bare {mode.split('_')[1]})"))
+        for mode in ("cached_seq", "cached_x4", "computed_seq", "computed_x4")
+    ]  # fmt: skip
     baselines = f"zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} (threads {g['memcpy_threads']:.1f}) GB/s"
-    rows.append(
-        (
-            f"shared memory {size} seq",
-            f"ours {g['shm']:.2f} GB/s",
-            baselines,
-            f"{r['shm_vs_zmq']:.2f}x / {r['shm_vs_memcpy']:.2f}x",
-        )
-    )
-    rows.append(
-        (
-            f"shared memory {size} x{IN_FLIGHT}",
-            f"ours {g['shm_x4']:.2f} GB/s",
-            baselines,
-            f"{r['shm_x4_vs_zmq']:.2f}x / {r['shm_x4_vs_memcpy']:.2f}x",
-        )
-    )
-    rows.append(
-        (
-            f"  one item {size}",
-            f"shared memory {r['shm_latency_ms']:.2f} ms",
-            f"stream {r['stream_latency_ms']:.2f} ms",
-            f"{r['shm_latency_vs_stream']:.2f}x",
-        )
-    )
-    c = r["ceilings"]
-    stream = (
-        f"stream seq {c['stream_cached_seq']:.2f}x, computed seq / x{IN_FLIGHT} "
-        f"{c['stream_computed_seq']:.2f}x / {c['stream_computed_x4']:.2f}x"
-    )
-    rows.append((f"  ceilings {size}", stream, f"shm seq {c['shm_seq_vs_zmq']:.2f}x zmq", ""))
+    rows += [
+        (f"shared memory {size} seq", f"ours {g['shm']:.2f} GB/s", baselines,
+         f"{r['shm_vs_zmq']:.2f}x / {r['shm_vs_memcpy']:.2f}x"),
+        (f"shared memory {size} x{IN_FLIGHT}", f"ours {g['shm_x4']:.2f} GB/s", baselines,
+         f"{r['shm_x4_vs_zmq']:.2f}x / {r['shm_x4_vs_memcpy']:.2f}x"),
+        (f"  one item {size}", f"shared memory {r['shm_latency_ms']:.2f} ms", f"stream {r['stream_latency_ms']:.2f} ms",
+         f"{r['shm_latency_vs_stream']:.2f}x"),
+        (f"  ceilings {size}", (f"stream seq {c['stream_cached_seq']:.2f}x, computed seq / x{IN_FLIGHT} "
+                                f"{c['stream_computed_seq']:.2f}x / {c['stream_computed_x4']:.2f}x"),
+         f"shm seq {c['shm_seq_vs_zmq']:.2f}x zmq", ""),
+    ]  # fmt: skip
     if "mooncake_gbps" in r:
-        rows.append(
-            (
-                f"  mooncake tcp {size}",
-                f"stream {g['stream_cached_seq']:.2f} GB/s",
-                f"mooncake {r['mooncake_gbps']:.2f} GB/s",
-                f"{r['stream_vs_mooncake']:.2f}x",
-            )
-        )
+        rows.append((f"  mooncake tcp {size}", f"stream {g['stream_cached_seq']:.2f} GB/s",
+                     f"mooncake {r['mooncake_gbps']:.2f} GB/s", f"{r['stream_vs_mooncake']:.2f}x"))  # fmt: skip
     return rows
 
 
 def transport_rows(t: dict) -> list[Row]:
-    rows = [row for size in t if size.endswith("MiB") for row in transport_size_rows(size, t[size])]
-    floor = t["floor_ms"]
-    rows.append(
-        (
-            "  floors (ceilings' inputs)",
-            f"decode the JPEG {floor['jpeg_decode']:.2f} ms",
-            f"bare call with the request {floor['request_ack']:.2f} ms",
-            "",
-        )
-    )
-    small = t["small"]
-    rows.append(
-        (
-            f"small item ({small['tokens']} tokens, cached)",
-            f"ours {small['ours_ms']['median']:.2f} ms",
-            f"bare grpcio {small['bare_ms']['median']:.2f} ms",
-            f"{small['ours_vs_bare_latency']:.2f}x",
-        )
-    )
-    return rows
+    """Every item size's rows, then the floors behind the ceilings and the small item's latency."""
+    floor, small = t["floor_ms"], t["small"]
+    return [
+        *(row for size in t if size.endswith("MiB") for row in transport_size_rows(size, t[size])),
+        ("  floors (ceilings' inputs)", f"decode the JPEG {floor['jpeg_decode']:.2f} ms",
+         f"bare call with the request {floor['request_ack']:.2f} ms", ""),
+        (f"small item ({small['tokens']} tokens, cached)", f"ours {small['ours_ms']['median']:.2f} ms",
+         f"bare grpcio {small['bare_ms']['median']:.2f} ms", f"{small['ours_vs_bare_latency']:.2f}x"),
+    ]  # fmt: skip
 
 
 def section_rows(results: dict) -> list[Row]:
