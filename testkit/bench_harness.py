@@ -48,20 +48,8 @@ async def timed(run: Callable[[], Awaitable[Any]]) -> float:
     return watch.seconds()
 
 
-def repeat(call: Callable[[], Any], repeats: int, warmup: int = 0) -> list[float]:
-    """Seconds of each of `repeats` calls, after `warmup` calls that are not timed."""
-    for _ in range(warmup):
-        call()
-    samples = []
-    for _ in range(repeats):
-        watch = Stopwatch()
-        call()
-        samples.append(watch.seconds())
-    return samples
-
-
 async def repeat_async(run: Callable[[], Awaitable[Any]], repeats: int, warmup: int = 0) -> list[float]:
-    """`repeat` for a coroutine function: seconds of each awaited run after the warm-up ones."""
+    """Seconds of each of `repeats` awaited runs, after `warmup` runs that are not timed."""
     for _ in range(warmup):
         await run()
     return [await timed(run) for _ in range(repeats)]
