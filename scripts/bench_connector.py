@@ -61,14 +61,14 @@ async def json_handoff(rx: EncoderReceiver, round_index: int) -> tuple[float, fl
     part, vLLM reading it back (json, base64, torch.load as its chat utilities do); and the part's size."""
     watch = Stopwatch()
     item = (await rx.encode(f"inline-{round_index}", [{"data": image_bytes(16, 16)}])).items[0]
-    to_gateway = watch.lap()
+    to_gateway_s = watch.lap()
     body = json.dumps({"messages": [{"role": "user", "content": [image_embeds_part(item)]}]})
-    written = watch.lap()
+    write_s = watch.lap()
     part = json.loads(body)["messages"][0]["content"][0]["image_embeds"]
     tensor = torch.load(io.BytesIO(base64.b64decode(part["image_embeds"])), weights_only=True)
-    parsed = watch.lap()
+    read_s = watch.lap()
     assert tensor.shape == (TOKENS, HIDDEN)
-    return to_gateway, written, parsed, len(body)
+    return to_gateway_s, write_s, read_s, len(body)
 
 
 async def measure(url: str, rounds: int) -> dict:
@@ -86,7 +86,8 @@ async def measure(url: str, rounds: int) -> dict:
                 for name, value in zip(times, (grpc_s, shm_s, to_gateway, write, read)):
                     times[name].append(value)
     medians = {name: median(values) for name, values in times.items()}
-    medians["json"] = median(sum(parts) for parts in zip(times["to_gateway"], times["json_write"], times["json_read"]))
+    json_parts = zip(times["to_gateway"], times["json_write"], times["json_read"])
+    medians["json"] = median(sum(parts) for parts in json_parts)
     return {
         "median_s": medians,
         "json_body_bytes": size,

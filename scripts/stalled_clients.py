@@ -205,7 +205,10 @@ class Stalled:
 async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
     reader, fresh, health = Tally(), Tally(), Tally()
     stop = asyncio.Event()
-    async with EncoderReceiver([f"grpc://127.0.0.1:{port}"]) as rx, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as probe:
+    async with (
+        EncoderReceiver([f"grpc://127.0.0.1:{port}"]) as rx,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as probe,
+    ):
         for seed in range(3):  # the steady state of serving readers: heap, gRPC buffers, threads
             await rx.encode(f"warm-{seed}", [{"data": distinct_image(100_000 + seed)}], timeout=120)
         before = memory_mib(pid)
