@@ -17,9 +17,7 @@ import asyncio
 import base64
 import io
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +28,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from gateway.handoff import image_embeds_part  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from receiver.item_files import create_item_file, map_item_file, new_item_path  # noqa: E402
+from testkit.bench_harness import Stopwatch, median, write_json  # noqa: E402
 from testkit.fixed_server import fixed_server  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402
 
@@ -45,12 +44,12 @@ async def connector_handoff(rx: EncoderReceiver, round_index: int) -> float:
     key = encoded.items[0].lease.key
     path = new_item_path(Path("/dev/shm"), BENCH_PREFIX)
     try:
-        started = time.perf_counter()
+        watch = Stopwatch()
         item = await rx.fetch(
             f"fetch-{round_index}", key, allocate=lambda shape, dtype: create_item_file(path, shape, dtype)
         )
         tensor = map_item_file(path, (item.num_tokens, item.hidden_size), item.embedding.dtype)
-        elapsed = time.perf_counter() - started
+        elapsed = watch.seconds()
         assert tensor.shape == (TOKENS, HIDDEN)
         return elapsed
     finally:
@@ -60,16 +59,16 @@ async def connector_handoff(rx: EncoderReceiver, round_index: int) -> float:
 async def json_handoff(rx: EncoderReceiver, round_index: int) -> tuple[float, float, float, int]:
     """Seconds of the JSON path's three steps: the item to the gateway, the gateway writing the chat
     part, vLLM reading it back (json, base64, torch.load as its chat utilities do); and the part's size."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     item = (await rx.encode(f"inline-{round_index}", [{"data": image_bytes(16, 16)}])).items[0]
-    received = time.perf_counter()
+    to_gateway_s = watch.lap()
     body = json.dumps({"messages": [{"role": "user", "content": [image_embeds_part(item)]}]})
-    written = time.perf_counter()
+    write_s = watch.lap()
     part = json.loads(body)["messages"][0]["content"][0]["image_embeds"]
     tensor = torch.load(io.BytesIO(base64.b64decode(part["image_embeds"])), weights_only=True)
-    parsed = time.perf_counter()
+    read_s = watch.lap()
     assert tensor.shape == (TOKENS, HIDDEN)
-    return received - started, written - received, parsed - written, len(body)
+    return to_gateway_s, write_s, read_s, len(body)
 
 
 async def measure(url: str, rounds: int) -> dict:
@@ -86,12 +85,11 @@ async def measure(url: str, rounds: int) -> dict:
             if i >= 2:  # after warm-up
                 for name, value in zip(times, (grpc_s, shm_s, to_gateway, write, read)):
                     times[name].append(value)
-    median = {name: statistics.median(values) for name, values in times.items()}
-    median["json"] = statistics.median(
-        sum(parts) for parts in zip(times["to_gateway"], times["json_write"], times["json_read"])
-    )
+    medians = {name: median(values) for name, values in times.items()}
+    json_parts = zip(times["to_gateway"], times["json_write"], times["json_read"])
+    medians["json"] = median(sum(parts) for parts in json_parts)
     return {
-        "median_s": median,
+        "median_s": medians,
         "json_body_bytes": size,
         "payload_bytes": TOKENS * HIDDEN * 2,
         "rounds": rounds,
@@ -122,7 +120,7 @@ def main() -> int:
         f"JSON / connector-shm {ms['json'] / ms['shm']:.1f}x"
     )
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+        write_json(args.json, figures)
     return 0
 
 

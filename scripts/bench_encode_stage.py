@@ -21,7 +21,6 @@ import argparse
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ if TYPE_CHECKING:  # torch is imported where it runs: --help and the worker's st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
 
+from testkit.bench_harness import Stopwatch, median, stage_medians, write_json
 from testkit.vllm_server import ENGINES_PYTHON, engines_env
 
 # name -> (width, height): on the 28 px grid, a phone-photo size, and one off the grid.
@@ -55,10 +55,6 @@ def make_jpeg(width: int, height: int, seed: int) -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, "JPEG", quality=90)
     return out.getvalue()
-
-
-def _ms(start: float) -> float:
-    return (time.perf_counter() - start) * 1000
 
 
 # ---------------------------------------------------------------- vLLM's side (runs in --engine-python)
@@ -90,12 +86,12 @@ def vllm_worker(model_dir: str) -> None:
             pixels, grid = pixel_values.to(device_), grid_thw.to(device_)
             if device_.type == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            watch = Stopwatch()
             with torch.inference_mode():
                 (embedding,) = model.embed_multimodal(pixel_values=pixels, image_grid_thw=grid)
             if device_.type == "cuda":
                 torch.cuda.synchronize()
-            return _ms(start), embedding.float().cpu()
+            return watch.ms(), embedding.float().cpu()
 
         return llm.apply_model(run)[0]
 
@@ -103,12 +99,11 @@ def vllm_worker(model_dir: str) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         data = Path(request["image"]).read_bytes()
-        start = time.perf_counter()
+        watch = Stopwatch()
         image = loader.load_bytes(data)
-        load_ms = _ms(start)
-        start = time.perf_counter()
+        load_ms = watch.lap() * 1000
         inputs = renderer._process_multimodal([image_pad], {"image": [image]}, None, None)
-        processor_ms = _ms(start)
+        processor_ms = watch.lap() * 1000
         kwargs = inputs["mm_kwargs"].get_data()
         tower_ms, embedding = tower(kwargs["pixel_values"], kwargs["image_grid_thw"])
         if "embedding_out" in request:
@@ -176,25 +171,17 @@ class OurEncodeStage:
             self.decode = functools.partial(PROFILES[DEFAULT_PROFILE].decode, **limits)
 
     def run(self, data: bytes) -> tuple[dict, torch.Tensor]:
-        start = time.perf_counter()
+        watch = Stopwatch()
         image = self.decode(data)
-        decode_ms = _ms(start)
-        start = time.perf_counter()
+        decode_ms = watch.lap() * 1000
         prepared = self.encoder.preprocess(image)
-        preprocess_ms = _ms(start)
-        start = time.perf_counter()
+        preprocess_ms = watch.lap() * 1000
         (output,) = self.encoder.encode([prepared])  # copies to the CPU: a cuda forward has finished
-        forward_ms = _ms(start)
+        forward_ms = watch.lap() * 1000
         return {"decode": decode_ms, "preprocess": preprocess_ms, "forward": forward_ms}, output.embedding
 
 
 # ---------------------------------------------------------------- the run
-
-
-def _medians(rounds: list[dict], stages: tuple[str, ...]) -> dict:
-    medians = {stage: statistics.median(r[stage] for r in rounds) for stage in stages}
-    medians["total"] = statistics.median(sum(r[s] for s in stages) for r in rounds)
-    return medians
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -231,12 +218,12 @@ def bench(args: argparse.Namespace) -> dict:
                     else:
                         our_rounds.append(ours.run(data)[0])
                         vllm_rounds.append(vllm.run(path))
-                our, their = _medians(our_rounds, OUR_STAGES), _medians(vllm_rounds, VLLM_STAGES)
+                our, their = stage_medians(our_rounds, OUR_STAGES), stage_medians(vllm_rounds, VLLM_STAGES)
                 results[name] = {
                     "tokens": int(embedding.shape[0]),
                     "ours_ms": our,
                     "vllm_ms": their,
-                    "ratio": statistics.median(
+                    "ratio": median(
                         sum(o[s] for s in OUR_STAGES) / sum(v[s] for s in VLLM_STAGES)
                         for o, v in zip(our_rounds, vllm_rounds)
                     ),
@@ -294,7 +281,7 @@ def main() -> None:
         f"({args.backend} backend, {args.threads} threads, {args.device})"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(Path(args.json), report)
 
 
 if __name__ == "__main__":  # vLLM spawns processes that import this module

@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
@@ -26,6 +24,7 @@ from gateway.app import start
 from gateway.config import GatewayConfig
 from gateway.handoff import image_embeds_part, serialize_tensor
 from receiver import EncoderReceiver
+from testkit.bench_harness import Stopwatch, median_ms
 from testkit.chat import chat_request, image_part
 from testkit.default_model import write_default_model
 from testkit.images import image_bytes
@@ -53,17 +52,13 @@ def build_parser() -> EnvDefaultsParser:
     return p
 
 
-def median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1000
-
-
 async def timed_post(session: aiohttp.ClientSession, url: str, body: dict) -> float:
-    started = time.perf_counter()
+    watch = Stopwatch()
     async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
         await reply.read()
         if reply.status != 200:
             raise RuntimeError(f"{url}: {reply.status} {await reply.text()}")
-    return time.perf_counter() - started
+    return watch.seconds()
 
 
 def serialization(tokens: int, hidden: int, repeats: int = 5) -> tuple[int, float, float]:
@@ -71,70 +66,75 @@ def serialization(tokens: int, hidden: int, repeats: int = 5) -> tuple[int, floa
     tensor = torch.randn(tokens, hidden).to(torch.bfloat16)
     encode, decode = [], []
     for _ in range(repeats):
-        started = time.perf_counter()
+        watch = Stopwatch()
         text = serialize_tensor(tensor)
-        encode.append(time.perf_counter() - started)
-        started = time.perf_counter()
+        encode.append(watch.lap())
         torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)  # what vLLM does with it
-        decode.append(time.perf_counter() - started)
+        decode.append(watch.lap())
     return len(text), median_ms(encode), median_ms(decode)
 
 
 async def bench(args) -> None:
     model_dir = write_default_model(Path(tempfile.mkdtemp(prefix="bench-gateway-")) / "model")
-    model = str(model_dir)
     log_path = model_dir.parent / "vllm.log"
     with launch_vllm(model_dir, log_path=log_path) as vllm:
         async with running_server(model_dir) as encoder, aiohttp.ClientSession() as session:
             runner, port = await start(
                 GatewayConfig(engine_url=vllm.url, encoders=(encoder.url,), host="127.0.0.1", port=0)
             )
-            gateway = f"http://127.0.0.1:{port}"
-            seeds = iter(range(10_000))
-
-            def request(parts):
-                return chat_request(model, parts, max_tokens=1)
-
-            # Warm both paths (first requests compile and fill caches), each with images of its own.
-            for _ in range(2):
-                await timed_post(
-                    session,
-                    vllm.url,
-                    request([image_part(image_bytes(args.size, args.size, seed=next(seeds)))]),
+            try:
+                samples, tokens = await measure(
+                    args, session, str(model_dir), vllm.url, f"http://127.0.0.1:{port}", encoder.url
                 )
-                await timed_post(
-                    session,
-                    gateway,
-                    request([image_part(image_bytes(args.size, args.size, seed=next(seeds)))]),
-                )
-            direct, through, encode, handoff, engine = [], [], [], [], []
-            async with EncoderReceiver([encoder.url]) as receiver:
-                for _ in range(args.repeats):
-                    png = image_bytes(args.size, args.size, seed=next(seeds))
-                    direct.append(await timed_post(session, vllm.url, request([image_part(png)])))
-                    png = image_bytes(args.size, args.size, seed=next(seeds))
-                    through.append(await timed_post(session, gateway, request([image_part(png)])))
-                    # The same stages by hand, on another new image: encode, hand-off, engine on embeddings.
-                    png = image_bytes(args.size, args.size, seed=next(seeds))
-                    started = time.perf_counter()
-                    result = await receiver.encode("bench", [{"data": png}])
-                    encode.append(time.perf_counter() - started)
-                    started = time.perf_counter()
-                    part = image_embeds_part(result.items[0])
-                    handoff.append(time.perf_counter() - started)
-                    engine.append(await timed_post(session, vllm.url, request([part])))
-            tokens = result.items[0].num_tokens
-            await runner.cleanup()
+            finally:
+                await runner.cleanup()
+    print_figures(args, samples, tokens)
+
+
+async def measure(args, session, model: str, engine_url: str, gateway: str, encoder_url: str):
+    """Seconds of every request of each path (and of the gateway's stages, by hand), and the image's tokens."""
+    seeds = iter(range(10_000))
+
+    def request(parts):
+        return chat_request(model, parts, max_tokens=1)
+
+    def new_image():
+        return image_bytes(args.size, args.size, seed=next(seeds))
+
+    # Warm both paths (first requests compile and fill caches), each with images of its own.
+    for _ in range(2):
+        await timed_post(session, engine_url, request([image_part(new_image())]))
+        await timed_post(session, gateway, request([image_part(new_image())]))
+    samples = {name: [] for name in ("direct", "through", "encode", "handoff", "engine")}
+    async with EncoderReceiver([encoder_url]) as receiver:
+        for _ in range(args.repeats):
+            samples["direct"].append(
+                await timed_post(session, engine_url, request([image_part(new_image())]))
+            )
+            samples["through"].append(await timed_post(session, gateway, request([image_part(new_image())])))
+            # The same stages by hand, on another new image: encode, hand-off, engine on embeddings.
+            png = new_image()
+            watch = Stopwatch()
+            result = await receiver.encode("bench", [{"data": png}])
+            samples["encode"].append(watch.lap())
+            part = image_embeds_part(result.items[0])
+            samples["handoff"].append(watch.lap())
+            samples["engine"].append(await timed_post(session, engine_url, request([part])))
+    return samples, result.items[0].num_tokens
+
+
+def print_figures(args, samples: dict[str, list[float]], tokens: int) -> None:
     size, serialize_ms, load_ms = serialization(args.serialize_tokens, args.serialize_hidden)
-    base = median_ms(direct)
+    ms = {name: median_ms(values) for name, values in samples.items()}
+    base = ms["direct"]
     print(
         f"one request, 1 image {args.size}x{args.size} ({tokens} tokens), max_tokens 1, median of {args.repeats}:"
     )
     print(f"  vLLM alone (its own tower)   {base:8.1f} ms  1.00x")
-    print(f"  gateway -> vLLM              {median_ms(through):8.1f} ms  {median_ms(through) / base:.2f}x")
-    print(f"    encode (receiver)          {median_ms(encode):8.1f} ms  {median_ms(encode) / base:.2f}x")
-    print(f"    hand-off (serialize part)  {median_ms(handoff):8.1f} ms  {median_ms(handoff) / base:.2f}x")
-    print(f"    vLLM on embeddings         {median_ms(engine):8.1f} ms  {median_ms(engine) / base:.2f}x")
+    print(f"  gateway -> vLLM              {ms['through']:8.1f} ms  {ms['through'] / base:.2f}x")
+    print(f"    encode (receiver)          {ms['encode']:8.1f} ms  {ms['encode'] / base:.2f}x")
+    print(f"    hand-off (serialize part)  {ms['handoff']:8.1f} ms  {ms['handoff'] / base:.2f}x")
+    print(f"    vLLM on embeddings         {ms['engine']:8.1f} ms  {ms['engine'] / base:.2f}x")
     raw = args.serialize_tokens * args.serialize_hidden * 2
     print(
         f"serialization of one {args.serialize_tokens} x {args.serialize_hidden} bf16 item: {raw} tensor bytes -> "

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from gateway.app import start
 from gateway.config import GatewayConfig
 from testkit import REPO_ROOT
+from testkit.bench_harness import markdown_table, median, write_json
 from testkit.default_model import write_default_model
 from testkit.launcher import launch_server
 from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, engines_env, launch_vllm
@@ -94,10 +94,10 @@ def summarize(rounds: int, result_dir: Path) -> dict[str, dict]:
     for path in PATHS:
         runs = [results[path, r] for r in range(rounds)]
         figures = {"request_throughput": "req/s", "output_throughput": "tok/s"}
-        row = {name: statistics.median(run[name] for run in runs) for name in figures}
+        row = {name: median(run[name] for run in runs) for name in figures}
         for metric in ("ttft", "e2el"):
             for q in PERCENTILES:
-                row[f"p{q}_{metric}_ms"] = statistics.median(run[f"p{q}_{metric}_ms"] for run in runs)
+                row[f"p{q}_{metric}_ms"] = median(run[f"p{q}_{metric}_ms"] for run in runs)
         row["requests"] = sum(len(run["generated_texts"]) for run in runs)
         row["failed"] = sum(run["failed"] for run in runs) + sum(bool(e) for run in runs for e in run["errors"])
         row["same_text_as_vllm"] = sum(
@@ -121,8 +121,7 @@ def print_summary(summary: dict[str, dict], args) -> None:
         "medians over rounds:"
     )
     head = ["path", "req/s", "ratio"] + [f"TTFT p{q} ms" for q in PERCENTILES] + [f"E2E p{q} ms" for q in PERCENTILES]
-    print("| " + " | ".join(head + ["failed", "same text", "same token ids"]) + " |")
-    print("|" + " --- |" * (len(head) + 3))
+    rows = []
     for path in PATHS:
         row = summary[path]
         cells = [LABELS[path], f"{row['request_throughput']:.2f}",
@@ -131,7 +130,8 @@ def print_summary(summary: dict[str, dict], args) -> None:
         cells += [f"{row[f'p{q}_e2el_ms']:.0f}" for q in PERCENTILES]
         cells += [str(row["failed"] + row["token_check_failed"]), f"{row['same_text_as_vllm']} / {row['requests']}",
                   f"{row['same_token_ids_as_vllm']} / {row['requests']}"]  # fmt: skip
-        print("| " + " | ".join(cells) + " |")  # fmt: skip
+        rows.append(cells)
+    print("\n".join(markdown_table(head + ["failed", "same text", "same token ids"], rows)))
 
 
 async def bench(args) -> int:
@@ -172,7 +172,7 @@ async def bench(args) -> int:
         print(f"vllm bench serve failed ({status}); logs in {work}", file=sys.stderr)
         return 1
     summary = summarize(args.rounds, result_dir)
-    (work / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(work / "summary.json", summary)
     print_summary(summary, args)
     print(f"\nresult files: {result_dir}")
     clean = all(

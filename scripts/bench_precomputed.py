@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import tempfile
-import time
 
 import torch
 import sys
@@ -18,21 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from testkit.default_model import ensure_default_model
 from protos.wire import DTYPE_NAMES
 from receiver import EncoderReceiver, batch_embedding, window_rows
+from testkit.bench_harness import Stopwatch, median_ms, repeat_async
 from testkit.images import image_bytes
 from testkit.servers import running_server
-
-
-def median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1000
-
-
-async def timed(fn, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        await fn()
-        samples.append(time.perf_counter() - started)
-    return median_ms(samples)
 
 
 async def bench(args: argparse.Namespace) -> None:
@@ -51,8 +37,8 @@ async def bench(args: argparse.Namespace) -> None:
                 ("half precomputed", half),
                 ("all precomputed", precomputed),
             ):
-                figures[name] = await timed(
-                    lambda name=name, items=items: rx.encode(name, items), args.repeats
+                figures[name] = median_ms(
+                    await repeat_async(lambda name=name, items=items: rx.encode(name, items), args.repeats)
                 )
     base = figures["all raw"]
     tokens = reference.num_tokens
@@ -68,18 +54,19 @@ async def bench(args: argparse.Namespace) -> None:
         for i, item in enumerate(reference.items)
     ]
     embedding = reference.embedding
-    started = time.perf_counter()
+    watch = Stopwatch()
     for step in range(10000):
         window_rows(embedding, step % tokens, 256, offsets)
-    print(
-        f"window_rows, {args.items} items: "
-        f"{(time.perf_counter() - started) / 10000 * 1e6:.1f} us per window"
-    )
+    print(f"window_rows, {args.items} items: {watch.seconds() / 10000 * 1e6:.1f} us per window")
 
     results = [reference] * 3
     nbytes = 3 * embedding.numel() * embedding.element_size()
-    copy_ms = await timed(lambda: asyncio.to_thread(batch_embedding, results, "cpu"), args.repeats)
-    cat_ms = await timed(lambda: asyncio.to_thread(torch.cat, [embedding] * 3), args.repeats)
+    copy_ms = median_ms(
+        await repeat_async(lambda: asyncio.to_thread(batch_embedding, results, "cpu"), args.repeats)
+    )
+    cat_ms = median_ms(
+        await repeat_async(lambda: asyncio.to_thread(torch.cat, [embedding] * 3), args.repeats)
+    )
     print(
         f"batch_embedding of 3 requests ({nbytes / 2**20:.0f} MiB) to cpu: {copy_ms:.2f} ms, "
         f"{copy_ms / cat_ms:.2f}x of one torch.cat of the same rows"

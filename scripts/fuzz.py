@@ -25,7 +25,6 @@ import json
 import resource
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from PIL import Image  # noqa: E402
 from encoder_common.errors import EncoderError  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
 from protos import wire  # noqa: E402
+from testkit.bench_harness import Stopwatch, print_json  # noqa: E402
 
 MAX_ITEMS = 64
 MAX_REQUEST_BYTES = 64 << 20
@@ -269,13 +269,13 @@ def run_target(name: str, examples: int, deadline_ms: int, seed: int) -> dict:
             pass  # a documented refusal
 
     fuzz = _seeded(fuzz, seed)
-    started = time.perf_counter()
+    watch = Stopwatch()
     findings = []
     try:
         fuzz()
     except Exception as exc:  # noqa: BLE001 - a finding, shrunk by hypothesis
         findings.append(f"{type(exc).__name__}: {exc}"[:2000])
-    return {"inputs": tried, "findings": findings, "seconds": round(time.perf_counter() - started, 1)}
+    return {"inputs": tried, "findings": findings, "seconds": round(watch.seconds(), 1)}
 
 
 def _seeded(test, seed: int):
@@ -298,7 +298,7 @@ def main() -> None:
     limit = int(args.memory_limit_gib * (1 << 30))
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     results = {name: run_target(name, args.examples, args.deadline_ms, args.seed) for name in args.targets}
-    print(json.dumps({"examples": args.examples, "seed": args.seed, "targets": results}), flush=True)
+    print_json({"examples": args.examples, "seed": args.seed, "targets": results})
     sys.exit(1 if any(r["findings"] for r in results.values()) else 0)
 
 

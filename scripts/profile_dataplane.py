@@ -8,7 +8,7 @@ server's part and the receiver's part. A profile, not a benchmark: `scripts/benc
 `--small-first` adds a second server process whose connections never count as reading (streams.py),
 so that every item starts with the small chunks a never-reading client gets: their cost to a reader.
 
-Each call carries the same request as in `bench.py`'s transport section (a 465 KB JPEG, or a 224x224
+Each call carries the same request as `bench.py`'s transport section (a 465 KB JPEG, or a 224x224
 one for items under 100 tokens); the server process is `testkit.fixed_server`, the bare one is
 `bench.py --role bare-grpc`. CPU comes from /proc (server) and `time.process_time()` (client, all of
 its threads), in clock ticks: use enough calls that a tick (10 ms) is small against the total.
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -30,22 +28,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import grpc  # noqa: E402
+from bench_sections.transport_items import TRANSPORT_HIDDEN, request_jpeg  # noqa: E402
 
 from encoder_common.malloc import tune_malloc  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from testkit.bare_grpc import receive_payload  # noqa: E402
-from testkit.images import image_bytes  # noqa: E402
+from testkit.bench_harness import Stopwatch, median, process_cpu_seconds  # noqa: E402
 from testkit.launcher import start_process  # noqa: E402
 
-HIDDEN = 3584  # Qwen2.5-VL-7B's width, as in bench.py
 ENCODE = "/encoder.v1.EncoderService/Encode"
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class LoopTurns:
@@ -90,21 +82,20 @@ async def measure(call: Callable[[], Awaitable[None]], server_pid: int, calls: i
         for _ in range(calls // in_flight):
             await call()
 
-    server0, client0, turns0, wall0 = process_cpu_s(server_pid), time.process_time(), turns.turns, time.perf_counter()
+    server0, client0, turns0, wall = process_cpu_seconds(server_pid), time.process_time(), turns.turns, Stopwatch()
     await asyncio.gather(*(worker() for _ in range(in_flight)))
-    wall = time.perf_counter() - wall0
     n = calls // in_flight * in_flight
     return (
-        wall / n * 1e3,
-        (process_cpu_s(server_pid) - server0) / n * 1e3,
+        wall.seconds() / n * 1e3,
+        (process_cpu_seconds(server_pid) - server0) / n * 1e3,
         (time.process_time() - client0) / n * 1e3,
         (turns.turns - turns0) / n,
     )
 
 
 async def profile(args, ours, bare, small_first=None) -> None:
-    nbytes = args.tokens * HIDDEN * 2
-    image = image_bytes(720, 720, 0, fmt="JPEG", quality=90) if args.tokens >= 100 else image_bytes(224, 224, 1, fmt="JPEG", quality=90)
+    nbytes = args.tokens * TRANSPORT_HIDDEN * 2
+    image = request_jpeg(seed=0) if args.tokens >= 100 else request_jpeg(seed=1, side=224)
     request = pb.EncodeRequest(request_id="bare", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image)])
     raw = request.SerializeToString()
     turns = LoopTurns()
@@ -130,12 +121,12 @@ async def profile(args, ours, bare, small_first=None) -> None:
         await receiver.close()
     for channel in channels:
         await channel.close()
-    print(f"{args.tokens} tokens x {HIDDEN} bf16 ({nbytes / 2**20:.2f} MiB), request {len(raw)} bytes, "
+    print(f"{args.tokens} tokens x {TRANSPORT_HIDDEN} bf16 ({nbytes / 2**20:.2f} MiB), request {len(raw)} bytes, "
           f"{args.in_flight} call(s) in flight; medians of {args.rounds} rounds of {args.calls} calls")  # fmt: skip
     header = f"{'':26} {'wall ms':>8} {'server CPU ms':>14} {'client CPU ms':>14} {'loop turns':>11}"
     print(header)
     for name, values in runs.items():
-        med = [statistics.median(v[i] for v in values) for i in range(4)]
+        med = [median(v[i] for v in values) for i in range(4)]
         print(f"{name:26} {med[0]:8.2f} {med[1]:14.2f} {med[2]:14.2f} {med[3]:11.1f}")
 
 
@@ -148,10 +139,10 @@ def main() -> None:
     parser.add_argument("--small-first", action="store_true", help="add a server that starts every item with small chunks")
     args = parser.parse_args()
     tune_malloc()  # as bench.py: the receiver's process set up as docs/prefill-side.md recommends
-    nbytes = args.tokens * HIDDEN * 2
+    nbytes = args.tokens * TRANSPORT_HIDDEN * 2
     with tempfile.TemporaryDirectory(prefix="profile-dataplane-") as logs:
         ours = start_process(
-            [sys.executable, "-m", "testkit.fixed_server", str(args.tokens), str(HIDDEN)], Path(logs) / "fixed.log"
+            [sys.executable, "-m", "testkit.fixed_server", str(args.tokens), str(TRANSPORT_HIDDEN)], Path(logs) / "fixed.log"
         )
         bare = start_process(
             [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--role", "bare-grpc", "--payload-bytes", str(nbytes)],
@@ -160,7 +151,7 @@ def main() -> None:
         small_first = None
         if args.small_first:  # the fixed server, with no connection ever remembered as reading
             code = "import runpy, sys; import encoder_server.streams as s; s.MAX_READERS = 0; sys.argv[0] = 'fixed_server'; runpy.run_module('testkit.fixed_server', run_name='__main__')"
-            small_first = start_process([sys.executable, "-c", code, str(args.tokens), str(HIDDEN)], Path(logs) / "small.log")
+            small_first = start_process([sys.executable, "-c", code, str(args.tokens), str(TRANSPORT_HIDDEN)], Path(logs) / "small.log")
         try:
             asyncio.run(profile(args, ours, bare, small_first))
         finally:

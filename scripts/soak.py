@@ -45,7 +45,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +54,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from encoder_server.models import ImageEmbedding, PreparedImage  # noqa: E402
+from testkit.bench_harness import Stopwatch, percentile, print_json, write_json  # noqa: E402
 from testkit.encoders import EncoderDouble  # noqa: E402
 
 HIDDEN = 1024
@@ -253,10 +253,10 @@ class Soak:
         self.reference = SoakEncoder()
         self.active_faults = 0
         self.stop = asyncio.Event()
-        self.started = time.monotonic()
+        self.clock = Stopwatch()  # the run's timeline: every record's and sample's time is on it
 
     def now(self) -> float:
-        return time.monotonic() - self.started
+        return self.clock.seconds()
 
     async def run(self) -> dict:
         from receiver import EncoderReceiver
@@ -311,7 +311,7 @@ class Soak:
             # Some calls ask for leases that nobody fetches: they must expire, not pile up.
             lease_ms = 2000 if rng.random() < 0.1 else None
             call = asyncio.ensure_future(nodes[node_name].encode(record["id"], sent, lease_ms=lease_ms))
-            started = time.monotonic()
+            watch = Stopwatch()
             try:
                 if cancel_after is not None:
                     done, _ = await asyncio.wait([call], timeout=cancel_after)
@@ -332,7 +332,7 @@ class Soak:
             except Exception as exc:  # noqa: BLE001 - anything untyped is a finding
                 record["outcome"] = f"lost: untyped {type(exc).__name__}"
                 record["error"] = str(exc)[:300]
-            record["seconds"] = round(time.monotonic() - started, 4)
+            record["seconds"] = round(watch.seconds(), 4)
             if record["outcome"] in ("ok", "typed_error") and record["seconds"] > self.args.deadline_s + self.args.grace_s:
                 record["outcome"] = "lost: ended after the deadline and its grace"
             self.history.requests.append(record)
@@ -443,8 +443,7 @@ class Soak:
         ok = [r for r in requests if r["outcome"] == "ok"]
 
         def p99(rows: list[dict]) -> float | None:
-            seconds = sorted(r["seconds"] for r in rows)
-            return None if not seconds else round(seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))], 3)
+            return None if not rows else round(percentile([r["seconds"] for r in rows], 0.99), 3)
 
         def hit_rate(rows: list[dict]) -> float | None:
             repeats = sum(r["repeats"] for r in rows)
@@ -533,9 +532,9 @@ def main() -> None:
         summary = asyncio.run(soak.run())
         if args.json:
             history = soak.history
-            args.json.write_text(json.dumps({"summary": summary, "requests": history.requests,
-                                             "faults": history.faults, "samples": history.samples}))  # fmt: skip
-    print(json.dumps(summary), flush=True)
+            write_json(args.json, {"summary": summary, "requests": history.requests, "faults": history.faults,
+                                   "samples": history.samples}, indent=None)  # fmt: skip
+    print_json(summary)
     sys.exit(0 if summary["wrong"] == 0 and summary["lost"] == 0 else 1)
 
 

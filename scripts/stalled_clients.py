@@ -29,12 +29,12 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import functools
 import io
-import json
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,6 +47,7 @@ from PIL import Image  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from testkit.bare_grpc import NEVER_READS, OWN_CONNECTION  # noqa: E402
+from testkit.bench_harness import Stopwatch, print_json  # noqa: E402
 from testkit.launcher import LaunchedProcess, launch_server, start_process  # noqa: E402
 
 # 56 x 32 merged patches of 28 pixels: 1792 tokens, x 2048 bf16 = 7 MiB.
@@ -89,20 +90,20 @@ async def served_afresh(port: int, seed: int, timeout_s: float) -> float:
     whole, again after a short back-off while refused RESOURCE_EXHAUSTED; returns the seconds it took."""
     item = pb.ImageItem(index=0, modality=pb.IMAGE, data=await asyncio.to_thread(distinct_image, seed))
     request = pb.EncodeRequest(request_id=f"fresh-{seed}", items=[item])
-    started = time.perf_counter()
+    watch = Stopwatch()
     back_off = 0.1
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION) as channel:
         encode = channel.unary_stream(
             "/encoder.v1.EncoderService/Encode", request_serializer=pb.EncodeRequest.SerializeToString
         )
         while True:
-            left = timeout_s - (time.perf_counter() - started)
+            left = timeout_s - watch.seconds()
             try:
                 received = 0
                 async for message in encode(request, timeout=max(left, 0.1)):
                     received += len(message)
                 assert received > ITEM_BYTES, received
-                return time.perf_counter() - started
+                return watch.seconds()
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or left < back_off:
                     raise
@@ -110,99 +111,135 @@ async def served_afresh(port: int, seed: int, timeout_s: float) -> float:
             back_off = min(2 * back_off, 1.0)
 
 
+@dataclasses.dataclass
+class Tally:
+    """What one kind of client met while the stalled ones held: calls served, their seconds, failures."""
+
+    served: int = 0
+    failed: list[str] = dataclasses.field(default_factory=list)
+    seconds: list[float] = dataclasses.field(default_factory=list)
+
+    async def attempt(self, call: Callable[[], Awaitable[float]]) -> None:
+        """Runs one call, which returns the seconds it was served in."""
+        try:
+            self.seconds.append(await call())
+            self.served += 1
+        except Exception as exc:  # noqa: BLE001 - every failure is a finding
+            self.failed.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    def report(self, name: str) -> dict:
+        slowest = round(max(self.seconds, default=0.0), 2)
+        return {f"{name}_served": self.served, f"{name}_failed": self.failed, f"{name}_slowest_s": slowest}
+
+
+async def read_throughout(rx: EncoderReceiver, reader: Tally, interval_s: float, stop: asyncio.Event) -> None:
+    """The reader on the connection it keeps: a distinct image of its own every `interval_s`."""
+    seed = 200_000
+    while not stop.is_set():
+        seed += 1
+        image = await asyncio.to_thread(distinct_image, seed)  # off the loop: the health probe runs on it
+
+        async def call(seed: int = seed, image: bytes = image) -> float:
+            watch = Stopwatch()
+            result = await rx.encode(f"reader-{seed}", [{"data": image}], timeout=60)
+            item = result.items[0].embedding
+            assert item.numel() * item.element_size() == ITEM_BYTES, item.shape
+            return watch.seconds()
+
+        await reader.attempt(call)
+        await asyncio.sleep(interval_s)
+
+
+async def read_afresh(port: int, fresh: Tally, args: argparse.Namespace, stop: asyncio.Event) -> None:
+    """A fresh client on a new connection every `--fresh-interval-s`."""
+    seed = 300_000
+    while not stop.is_set():
+        seed += 1
+        await fresh.attempt(functools.partial(served_afresh, port, seed, args.fresh_timeout_s))
+        await asyncio.sleep(args.fresh_interval_s)
+
+
+async def watch_health(probe: grpc.aio.Channel, health: Tally, timeout_s: float, stop: asyncio.Event) -> None:
+    """Health asked twice a second; each answer but SERVING (a status name, or the call's code) is a failure."""
+    stub = health_pb2_grpc.HealthStub(probe)
+    while not stop.is_set():
+        watch = Stopwatch()
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                health.failed.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        except grpc.aio.AioRpcError as exc:
+            health.failed.append(exc.code().name)
+        health.seconds.append(watch.seconds())
+        await asyncio.sleep(0.5)
+
+
+class Stalled:
+    """The never-reading clients: their channels (one each, or one for all) and calls, and how each began."""
+
+    def __init__(self, args: argparse.Namespace, port: int):
+        self.args = args
+        connections = args.clients if args.shape == "own-connections" else 1
+        self.opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=NEVER_READS) for _ in range(connections)]
+        self.channels = [self.opened[i % connections] for i in range(args.clients)]
+        self.began: collections.Counter[str] = collections.Counter()
+        self.calls: list[grpc.aio.Call] = []
+
+    async def arrive(self, images: list[bytes]) -> None:
+        """The clients in waves, then all of them held stalled at once for `--hold-s`."""
+        args = self.args
+        for first in range(0, args.clients, args.wave):
+            wave = range(first, min(first + args.wave, args.clients))
+            results = await asyncio.gather(*(stall(self.channels[i], i, images[i], args.deadline_s) for i in wave))
+            self.began.update(kind for kind, _ in results)
+            self.calls += [call for _, call in results]
+            await asyncio.sleep(args.wave_interval_s)
+        await asyncio.sleep(args.hold_s)  # all of them stalled at once, the reader still going
+
+    async def close(self) -> None:
+        for call in self.calls:
+            call.cancel()
+        await asyncio.gather(*(channel.close() for channel in self.opened))
+
+
 async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
-    url = f"grpc://127.0.0.1:{port}"
-    health_problems: list[str] = []
-    health_seconds: list[float] = []
-    reader = {"served": 0, "failed": [], "seconds": []}
-    fresh = {"served": 0, "failed": [], "seconds": []}
+    reader, fresh, health = Tally(), Tally(), Tally()
     stop = asyncio.Event()
-    async with EncoderReceiver([url]) as rx, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as probe:
+    async with (
+        EncoderReceiver([f"grpc://127.0.0.1:{port}"]) as rx,
+        grpc.aio.insecure_channel(f"127.0.0.1:{port}") as probe,
+    ):
         for seed in range(3):  # the steady state of serving readers: heap, gRPC buffers, threads
             await rx.encode(f"warm-{seed}", [{"data": distinct_image(100_000 + seed)}], timeout=120)
         before = memory_mib(pid)
-
-        async def read_throughout() -> None:
-            seed = 200_000
-            while not stop.is_set():
-                seed += 1
-                image = await asyncio.to_thread(distinct_image, seed)  # off the loop: the health probe runs on it
-                started = time.perf_counter()
-                try:
-                    result = await rx.encode(f"reader-{seed}", [{"data": image}], timeout=60)
-                    item = result.items[0].embedding
-                    assert item.numel() * item.element_size() == ITEM_BYTES, item.shape
-                    reader["served"] += 1
-                    reader["seconds"].append(time.perf_counter() - started)
-                except Exception as exc:  # noqa: BLE001 - every failure is a finding
-                    reader["failed"].append(f"{type(exc).__name__}: {exc}"[:300])
-                await asyncio.sleep(args.reader_interval_s)
-
-        async def read_afresh() -> None:
-            seed = 300_000
-            while not stop.is_set():
-                seed += 1
-                try:
-                    fresh["seconds"].append(await served_afresh(port, seed, args.fresh_timeout_s))
-                    fresh["served"] += 1
-                except Exception as exc:  # noqa: BLE001 - every failure is a finding
-                    fresh["failed"].append(f"{type(exc).__name__}: {exc}"[:300])
-                await asyncio.sleep(args.fresh_interval_s)
-
-        async def watch_health() -> None:
-            stub = health_pb2_grpc.HealthStub(probe)
-            while not stop.is_set():
-                asked = time.perf_counter()
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=args.health_timeout_s)
-                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                        health_problems.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
-                except grpc.aio.AioRpcError as exc:
-                    health_problems.append(exc.code().name)
-                health_seconds.append(time.perf_counter() - asked)
-                await asyncio.sleep(0.5)
-
         images = await asyncio.to_thread(lambda: [distinct_image(seed) for seed in range(args.clients)])
-        background = [asyncio.ensure_future(task()) for task in (read_throughout, read_afresh, watch_health)]
-        connections = args.clients if args.shape == "own-connections" else 1
-        opened = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=NEVER_READS) for _ in range(connections)]
-        channels = [opened[i % connections] for i in range(args.clients)]
-        began: collections.Counter[str] = collections.Counter()
-        calls = []
-        started = time.monotonic()
+        background = [
+            asyncio.ensure_future(read_throughout(rx, reader, args.reader_interval_s, stop)),
+            asyncio.ensure_future(read_afresh(port, fresh, args, stop)),
+            asyncio.ensure_future(watch_health(probe, health, args.health_timeout_s, stop)),
+        ]
+        stalled = Stalled(args, port)
+        watch = Stopwatch()
         try:
-            for first in range(0, args.clients, args.wave):
-                wave = range(first, min(first + args.wave, args.clients))
-                results = await asyncio.gather(*(stall(channels[i], i, images[i], args.deadline_s) for i in wave))
-                began.update(kind for kind, _ in results)
-                calls += [call for _, call in results]
-                await asyncio.sleep(args.wave_interval_s)
-            await asyncio.sleep(args.hold_s)  # all of them stalled at once, the reader still going
+            await stalled.arrive(images)
         finally:
             stop.set()
             await asyncio.gather(*background)
             after = memory_mib(pid)
-            for call in calls:
-                call.cancel()
-            await asyncio.gather(*(channel.close() for channel in opened))
-    grown = after["VmHWM"] - before["VmRSS"]
+            await stalled.close()
     return {
         "clients": args.clients,
         "shape": args.shape,
-        "stalled_began": dict(began),
-        "seconds": round(time.monotonic() - started, 1),
+        "stalled_began": dict(stalled.began),
+        "seconds": round(watch.seconds(), 1),
         "rss_before_mib": round(before["VmRSS"]),
         "rss_peak_mib": round(after["VmHWM"]),
-        "rss_growth_mib": round(grown),
-        "reader_served": reader["served"],
-        "reader_failed": reader["failed"],
-        "reader_slowest_s": round(max(reader["seconds"], default=0.0), 2),
-        "fresh_served": fresh["served"],
-        "fresh_failed": fresh["failed"],
-        "fresh_slowest_s": round(max(fresh["seconds"], default=0.0), 2),
-        "health_not_serving": health_problems,
-        "health_probes": len(health_seconds),
-        "health_slowest_s": round(max(health_seconds, default=0.0), 2),
+        "rss_growth_mib": round(after["VmHWM"] - before["VmRSS"]),
+        **reader.report("reader"),
+        **fresh.report("fresh"),
+        "health_not_serving": health.failed,
+        "health_probes": len(health.seconds),
+        "health_slowest_s": round(max(health.seconds, default=0.0), 2),
     }
 
 
@@ -281,7 +318,7 @@ def main() -> None:
         with launched(args, model, Path(workdir)) as server:
             summary = asyncio.run(run(args, server.port, server.process.pid))
         summary.update(encoder=args.encoder, server_flags=args.server_flags)
-    print(json.dumps(summary), flush=True)
+    print_json(summary)
     ok = not summary["reader_failed"] and summary["reader_served"] > 0 and not summary["health_not_serving"]
     ok = ok and not summary["fresh_failed"] and summary["fresh_served"] > 0
     sys.exit(0 if ok and summary["rss_growth_mib"] <= args.max_growth_gib * 1024 else 1)

@@ -1,0 +1,150 @@
+"""The benchmark's goals (each a ratio of the run against a target, with its ceiling where the run's
+baselines set one) and the table it prints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from testkit.bench_harness import aligned_table
+
+from .profile import MiB
+from .transport_items import IN_FLIGHT
+
+TRANSPORT_GOALS = [  # per item size: (name, path in the size's results, target, at least (True) or at most,
+    # the key of its ceiling in this run, when `ceilings` knows one)
+    *[(f"stream {mode.replace('_', ' ')} / best bare grpcio", ("stream_vs_best_bare", f"stream_{mode}"), 0.9, True,
+       None if mode == "cached_x4" else f"stream_{mode}") for mode in ("cached_seq", "cached_x4", "computed_seq", "computed_x4")],
+    ("shared memory seq / zmq", ("shm_vs_zmq",), 2.0, True, "shm_seq_vs_zmq"),
+    ("shared memory seq / memcpy", ("shm_vs_memcpy",), 0.3, True, None),
+    (f"shared memory x{IN_FLIGHT} / zmq", ("shm_x4_vs_zmq",), 2.0, True, None),
+    (f"shared memory x{IN_FLIGHT} / memcpy", ("shm_x4_vs_memcpy",), 0.3, True, None),
+    ("shared memory / stream one-item latency", ("shm_latency_vs_stream",), 0.5, False, None),
+]  # fmt: skip
+GOALS = [
+    # (name, section, path to the ratio, target, at least (True) or at most (False), path to its ceiling)
+    *[(f"transport {size // MiB} MiB: {name}", "transport", (f"{size // MiB}MiB", *path), target, at_least,
+       (f"{size // MiB}MiB", "ceilings", ceiling) if ceiling else None)
+      for size in (7 * MiB, 32 * MiB) for name, path, target, at_least, ceiling in TRANSPORT_GOALS],
+    ("transport 64 tokens: one-item latency / bare grpcio", "transport", ("small", "ours_vs_bare_latency"), 1.3, False,
+     None),
+    ("serving: server / in-process", "serving", ("ratio",), 0.9, True, None),
+    ("batching: on / off", "batching", ("ratio",), 1.5, True, None),
+    ("scale-out: 2 processes / 1", "scale_out", ("ratio",), 1.7, True, None),
+    ("cache: miss / hit latency", "cache", ("speedup",), 20.0, True, None),
+]  # fmt: skip
+
+
+def _lookup(results: dict, section: str, path: Sequence[str]):
+    value = results.get(section)
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def goals(results: dict) -> list[dict]:
+    """Each goal's measured ratio, whether it is met, and, where one is known, the most any server
+    could reach in this run (`ceilings`): a goal whose target lies past its ceiling is out of reach here."""
+    out = []
+    for name, section, path, target, at_least, ceiling_path in GOALS:
+        value = _lookup(results, section, path)
+        if value is None:
+            continue
+        met = value >= target if at_least else value <= target
+        goal = {"goal": name, "target": target, "at_least": at_least, "measured": value, "met": met}
+        if ceiling_path is not None:
+            goal["ceiling"] = _lookup(results, section, ceiling_path)
+            goal["reachable"] = goal["ceiling"] >= target
+        out.append(goal)
+    return out
+
+
+Row = tuple[str, str, str, str]  # figure, ours, baseline (same run), ratio
+
+RATE_ROWS = [  # section, figure, (key, label) of ours, (key, label) of the baseline
+    ("serving", "serving {image}", ("server", "server"), ("in_process", "in-process")),
+    ("batching", "batching {clients} clients {image}", ("on", "on"), ("off", "off")),
+    (
+        "scale_out",
+        "scale-out {image} (encoder cores used: {encoder_cores_used[two]:.2f} vs {encoder_cores_used[one]:.2f})",
+        ("two", "2 processes"),
+        ("one", "1 process"),
+    ),
+]
+
+
+def transport_size_rows(size: str, r: dict) -> list[Row]:
+    """The rows of one item size: the stream's four modes, shared memory, one-item latency, ceilings."""
+    g, c = r["gbps"], r["ceilings"]
+    best_bare = f"bare grpcio {max(g['bare_seq'], g['bare_x4']):.2f} GB/s (seq {g['bare_seq']:.2f}, x{IN_FLIGHT} {g['bare_x4']:.2f})"
+    rows: list[Row] = [
+        (f"stream {size} {mode.replace('_', ' ')}", f"ours {g[f'stream_{mode}']:.2f} GB/s", best_bare,
+         (f"{r['stream_vs_best_bare'][f'stream_{mode}']:.2f}x ({r['stream_vs_bare_same_mode'][f'stream_{mode}']:.2f}x "
+          f"of bare {mode.split('_')[1]})"))
+        for mode in ("cached_seq", "cached_x4", "computed_seq", "computed_x4")
+    ]  # fmt: skip
+    baselines = f"zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} (threads {g['memcpy_threads']:.1f}) GB/s"
+    rows += [
+        (f"shared memory {size} seq", f"ours {g['shm']:.2f} GB/s", baselines,
+         f"{r['shm_vs_zmq']:.2f}x / {r['shm_vs_memcpy']:.2f}x"),
+        (f"shared memory {size} x{IN_FLIGHT}", f"ours {g['shm_x4']:.2f} GB/s", baselines,
+         f"{r['shm_x4_vs_zmq']:.2f}x / {r['shm_x4_vs_memcpy']:.2f}x"),
+        (f"  one item {size}", f"shared memory {r['shm_latency_ms']:.2f} ms", f"stream {r['stream_latency_ms']:.2f} ms",
+         f"{r['shm_latency_vs_stream']:.2f}x"),
+        (f"  ceilings {size}", (f"stream seq {c['stream_cached_seq']:.2f}x, computed seq / x{IN_FLIGHT} "
+                                f"{c['stream_computed_seq']:.2f}x / {c['stream_computed_x4']:.2f}x"),
+         f"shm seq {c['shm_seq_vs_zmq']:.2f}x zmq", ""),
+    ]  # fmt: skip
+    if "mooncake_gbps" in r:
+        rows.append((f"  mooncake tcp {size}", f"stream {g['stream_cached_seq']:.2f} GB/s",
+                     f"mooncake {r['mooncake_gbps']:.2f} GB/s", f"{r['stream_vs_mooncake']:.2f}x"))  # fmt: skip
+    return rows
+
+
+def transport_rows(t: dict) -> list[Row]:
+    """Every item size's rows, then the floors behind the ceilings and the small item's latency."""
+    floor, small = t["floor_ms"], t["small"]
+    return [
+        *(row for size in t if size.endswith("MiB") for row in transport_size_rows(size, t[size])),
+        ("  floors (ceilings' inputs)", f"decode the JPEG {floor['jpeg_decode']:.2f} ms",
+         f"bare call with the request {floor['request_ack']:.2f} ms", ""),
+        (f"small item ({small['tokens']} tokens, cached)", f"ours {small['ours_ms']['median']:.2f} ms",
+         f"bare grpcio {small['bare_ms']['median']:.2f} ms", f"{small['ours_vs_bare_latency']:.2f}x"),
+    ]  # fmt: skip
+
+
+def section_rows(results: dict) -> list[Row]:
+    """The rows of every section the run has, in the order of the sections."""
+    rows = transport_rows(results["transport"]) if "transport" in results else []
+    for section, figure, (ours, ours_label), (base, base_label) in RATE_ROWS:
+        if section in results:
+            r = results[section]
+            rows.append((figure.format(**r), f"{ours_label} {r[f'{ours}_images_per_s']['median']:.2f} img/s",
+                         f"{base_label} {r[f'{base}_images_per_s']['median']:.2f} img/s", f"{r['ratio']:.2f}x"))  # fmt: skip
+    if "cache" in results:
+        r = results["cache"]
+        rows.append((f"cache {r['image']}", f"hit {r['hit_ms']['median']:.2f} ms",
+                     f"miss {r['miss_ms']['median']:.1f} ms", f"{r['speedup']:.0f}x faster"))  # fmt: skip
+    if "image_sizes" in results:
+        for size, r in results["image_sizes"]["sizes"].items():
+            rows.append((f"images {size}", f"{r['images_per_s']:.2f} img/s",
+                         f"{r['tokens_per_image']} tokens, {r['embedding_gbps']:.3f} GB/s of embeddings", ""))  # fmt: skip
+    return rows
+
+
+def goal_line(g: dict) -> str:
+    sign = ">=" if g["at_least"] else "<="
+    ceiling = (
+        ""
+        if "ceiling" not in g
+        else (f" (ceiling {g['ceiling']:.2f}{'' if g['reachable'] else ': out of reach in this run'})")
+    )
+    return f"goal {g['goal']} {sign} {g['target']}: {g['measured']:.2f} {'met' if g['met'] else 'NOT met'}{ceiling}"
+
+
+def table(results: dict) -> str:
+    lines = aligned_table(("figure", "ours", "baseline (same run)", "ratio"), section_rows(results))
+    load = results["machine"]
+    lines.append(f"ratios: median over {results['profile']['rounds']} rounds of pairs measured in the same round; load average "
+                 f"{load['load_average_before'][0]:.1f} before, {load['load_average_after'][0]:.1f} after")  # fmt: skip
+    lines += [goal_line(g) for g in results.get("goals", [])]
+    return "\n".join(lines)

@@ -1,0 +1,288 @@
+"""The transport section: the data plane, our gRPC stream and same-host shared memory against bare
+grpcio, pyzmq raw frames, memcpy and (when installed) Mooncake's TCP transfer engine, with the ceiling
+each goal's baselines set in the same run. docs/performance-dataplane.md describes every figure."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from encoder_common.copies import copy_bytes
+from protos import encoder_pb2 as pb
+from testkit.bare_grpc import receive_payload
+from testkit.bench_harness import Stopwatch, interleaved, median, paired_ratio, summary, timed
+
+from .context import Context
+from .profile import MiB
+from .transport_baselines import CONTROL, mooncake_gbps
+from .transport_items import IN_FLIGHT, SMALL, SMALL_TOKENS, TRANSPORT_HIDDEN, item_bytes, request_jpeg
+
+FLOORS = ("request_ack", "jpeg_decode")  # what `ceilings` is computed from (see TransportRun.floor_ms)
+KINDS = ("bare_seq", "bare_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
+         "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads")  # fmt: skip
+
+
+async def in_flight(calls: Sequence[Callable[[], Awaitable[None]]], width: int) -> float:
+    """Runs the calls `width` at a time (one after another when 1); returns the seconds taken."""
+    queue = list(reversed(calls))
+
+    async def worker() -> None:
+        while queue:
+            await queue.pop()()
+
+    return await timed(lambda: asyncio.gather(*(worker() for _ in range(width))))
+
+
+class TransportRun:
+    """The section's clients (receivers per item size, a bare channel, zmq sockets), its items, and
+    each of its measures."""
+
+    def __init__(self, ctx: Context):
+        import zmq
+
+        from receiver import EncoderReceiver
+
+        self.p, servers, sizes = ctx.profile, ctx.servers, ctx.profile.transport_sizes
+        fixed = {size: servers[f"fixed-{size}"].url for size in sizes}
+        fixed[SMALL] = servers["fixed-small"].url
+        self.stream_rx = {size: EncoderReceiver([url], transfer="grpc") for size, url in fixed.items()}
+        self.shm_rx = {size: EncoderReceiver([fixed[size]], transfer="shm") for size in sizes}
+        self.bare_channel = grpc.aio.insecure_channel(f"127.0.0.1:{servers['bare-grpc'].port}")
+        self.cached_image = request_jpeg(seed=0)
+        self.small_image = request_jpeg(seed=1, side=224)
+        self.n_calls = {
+            size: max(IN_FLIGHT, self.p.transport_bytes // size // IN_FLIGHT * IN_FLIGHT) for size in sizes
+        }
+        # Computed items need an image no call sent before: one per call of both computed modes, every round.
+        self.fresh = {
+            size: iter(
+                [request_jpeg(seed) for seed in ctx.seeds.take(2 * self.n_calls[size] * self.p.rounds)]
+            )
+            for size in sizes
+        }
+        self.zctx = zmq.Context()
+        self.pull, self.control = self.zctx.socket(zmq.PULL), self.zctx.socket(zmq.REQ)
+        self.pull.connect(f"tcp://127.0.0.1:{servers['zmq-push'].port}")
+        self.control.connect(f"tcp://127.0.0.1:{CONTROL.search(servers['zmq-push'].log()).group(1)}")
+        self.bare_calls = {
+            size: self.bare_channel.unary_stream(f"/bench.Bare/Stream{item_bytes(size)}")
+            for size in [*sizes, SMALL]
+        }
+        self.ack = self.bare_channel.unary_unary("/bench.Bare/Ack")
+        self.copies = {
+            size: np.random.default_rng(size).integers(0, 256, (2, item_bytes(size)), dtype=np.uint8)
+            for size in sizes
+        }
+
+    async def close(self) -> None:
+        for receiver in [*self.stream_rx.values(), *self.shm_rx.values()]:
+            await receiver.close()
+        await self.bare_channel.close()
+        self.zctx.destroy(linger=0)
+
+    @staticmethod
+    def bare_request(image: bytes) -> bytes:
+        """The very bytes our receiver sends: the bare server receives the image too."""
+        item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image)
+        return pb.EncodeRequest(request_id="bare", items=[item]).SerializeToString()
+
+    @staticmethod
+    def ours_call(receiver, image: bytes, size: int, cached: bool):
+        async def call() -> None:
+            (item,) = (await receiver.encode("bench", [{"data": image}])).items
+            assert item.cache_hit == cached and item.embedding.numel() * 2 == item_bytes(size)
+
+        return call
+
+    def bare_call(self, size: int, request: bytes):
+        async def call() -> None:
+            await receive_payload(self.bare_calls[size](request), item_bytes(size))
+
+        return call
+
+    async def measure(self, size: int, kind: str) -> float:
+        """Bytes per second (GB/s) of one figure; `kind` is what moves and how."""
+        n, nbytes = self.n_calls[size], item_bytes(size)
+        width = IN_FLIGHT if kind.endswith("_x4") else 1
+        if kind.startswith("bare"):
+            calls = [self.bare_call(size, self.bare_request(self.cached_image))] * n
+        elif kind.startswith("stream_computed"):
+            calls = [
+                self.ours_call(self.stream_rx[size], next(self.fresh[size]), size, False) for _ in range(n)
+            ]
+        elif kind.startswith("stream"):
+            calls = [self.ours_call(self.stream_rx[size], self.cached_image, size, True)] * n
+        elif kind.startswith("shm"):
+            calls = [self.ours_call(self.shm_rx[size], self.cached_image, size, True)] * n
+        elif kind == "zmq":
+            return n * nbytes / await asyncio.to_thread(self.zmq_pull, nbytes, n) / 1e9
+        else:  # memcpy: one thread, or split across threads as the server writes a segment
+            return n * nbytes / self.memcpy(size, n, np.copyto if kind == "memcpy" else copy_bytes) / 1e9
+        return n * nbytes / await in_flight(calls, width) / 1e9
+
+    def zmq_pull(self, nbytes: int, n: int) -> float:
+        from receiver.buffers import POOL
+
+        watch = Stopwatch()
+        self.control.send(f"{nbytes} {n}".encode())
+        self.control.recv()
+        for _ in range(n):
+            _meta, frame = self.pull.recv_multipart(copy=False)
+            tensor = POOL.empty((nbytes,), torch.uint8)
+            tensor.numpy()[:] = np.frombuffer(frame.buffer, np.uint8)
+        return watch.seconds()
+
+    def memcpy(self, size: int, n: int, copy: Callable[[np.ndarray, np.ndarray], None]) -> float:
+        """One host copy into a buffer whose pages are already mapped: the physical limit."""
+        src, dst = self.copies[size]
+        watch = Stopwatch()
+        for _ in range(n):
+            copy(dst, src)
+        return watch.seconds()
+
+    async def small_latency(self, kind: str) -> float:
+        """Milliseconds per one-item call of a cached 64-token item (448 KiB), one call at a time."""
+        n = 10 * self.p.rounds
+        if kind == "bare":
+            calls = [self.bare_call(SMALL, self.bare_request(self.small_image))] * n
+        else:
+            calls = [self.ours_call(self.stream_rx[SMALL], self.small_image, SMALL, True)] * n
+        return await in_flight(calls, 1) / n * 1000
+
+    async def floor_ms(self, kind: str) -> float:
+        """Milliseconds of what bounds the goals out of reach, one at a time: "request_ack", a bare
+        grpcio call carrying the 465 KB request and answering two bytes; "jpeg_decode", the request's
+        JPEG decoded as the server decodes it."""
+        from encoder_server.images import decode_image
+
+        n = 10 * self.p.rounds
+        request = self.bare_request(self.cached_image)
+        watch = Stopwatch()
+        for _ in range(n):
+            if kind == "request_ack":
+                await self.ack(request)
+            else:
+                decode_image(self.cached_image)
+        return watch.seconds() / n * 1000
+
+    async def warm_up(self) -> None:
+        """The cached items computed once; connections made and shared-memory pools grown."""
+        for size in [*self.p.transport_sizes, SMALL]:
+            image = self.small_image if size == SMALL else self.cached_image
+            await self.ours_call(self.stream_rx[size], image, size, False)()
+        for size in self.p.transport_sizes:
+            for kind in KINDS:
+                if not kind.startswith("stream_computed"):
+                    await self.measure(size, kind)
+        await self.small_latency("bare")
+        await self.small_latency("ours")
+        await self.floor_ms("request_ack")
+
+    def measures(self) -> dict[str, Callable[[], Awaitable[float]]]:
+        sizes = self.p.transport_sizes
+        measures = {
+            f"{size // MiB} MiB {kind}": functools.partial(self.measure, size, kind)
+            for size in sizes
+            for kind in KINDS
+        }
+        measures.update(
+            {f"small {kind}": functools.partial(self.small_latency, kind) for kind in ("bare", "ours")}
+        )
+        measures.update({f"floor {kind}": functools.partial(self.floor_ms, kind) for kind in FLOORS})
+        return measures
+
+
+async def run(ctx: Context) -> dict:
+    transport = TransportRun(ctx)
+    try:
+        await transport.warm_up()
+        runs = await interleaved("dataplane", ctx.profile.rounds, transport.measures())
+        mooncake = {}
+        if "mooncake" in ctx.servers:
+            mooncake = await mooncake_gbps(
+                ctx.servers["mooncake"], ctx.profile.transport_bytes, ctx.profile.transport_sizes
+            )
+    finally:
+        await transport.close()
+    out: dict = {
+        "hidden_size": TRANSPORT_HIDDEN,
+        "request_jpeg_bytes": len(transport.cached_image),
+        "calls_in_flight": IN_FLIGHT,
+    }
+    floors = out["floor_ms"] = {kind: median(runs[f"floor {kind}"]) for kind in FLOORS}
+    for size in ctx.profile.transport_sizes:
+        out[f"{size // MiB}MiB"] = size_row(
+            size, {kind: runs[f"{size // MiB} MiB {kind}"] for kind in KINDS}, floors, mooncake
+        )
+    out["small"] = {
+        "tokens": SMALL_TOKENS,
+        "payload_bytes": item_bytes(SMALL),
+        "ours_ms": summary(runs["small ours"]),
+        "bare_ms": summary(runs["small bare"]),
+        "ours_vs_bare_latency": paired_ratio(runs["small ours"], runs["small bare"]),
+    }
+    out["mooncake"] = "measured" if mooncake else ctx.mooncake_skipped
+    return out
+
+
+def size_row(
+    size: int, by: dict[str, list[float]], floors: dict[str, float], mooncake: dict[int, float]
+) -> dict:
+    """One item size's figures: GB/s of every kind, with each goal's ratio and its ceiling."""
+    best_bare = [max(a, b) for a, b in zip(by["bare_seq"], by["bare_x4"])]
+
+    def ratio(a, b) -> float:
+        return paired_ratio(by[a] if isinstance(a, str) else a, by[b] if isinstance(b, str) else b)
+
+    streams = [kind for kind in KINDS if kind.startswith("stream")]
+    row = {
+        "payload_bytes": item_bytes(size),
+        "gbps": {kind: median(values) for kind, values in by.items()},
+        "runs_gbps": by,
+        "stream_vs_best_bare": {kind: ratio(kind, best_bare) for kind in streams},
+        # Against bare grpcio run the same way (one call at a time, or 4 in flight).
+        "stream_vs_bare_same_mode": {
+            kind: ratio(kind, "bare_x4" if kind.endswith("_x4") else "bare_seq") for kind in streams
+        },
+        # One call at a time, and 4 in flight (pyzmq's PUSH sends its frames back to back).
+        "shm_vs_zmq": ratio("shm", "zmq"),
+        "shm_vs_memcpy": ratio("shm", "memcpy"),
+        "shm_x4_vs_zmq": ratio("shm_x4", "zmq"),
+        "shm_x4_vs_memcpy": ratio("shm_x4", "memcpy"),
+        # One-item latency, shared memory over the stream (one call at a time, cached item).
+        "shm_latency_vs_stream": ratio("stream_cached_seq", "shm"),
+        "shm_latency_ms": 1e3 * item_bytes(size) / 1e9 / median(by["shm"]),
+        "stream_latency_ms": 1e3 * item_bytes(size) / 1e9 / median(by["stream_cached_seq"]),
+    }
+    row["ceilings"] = ceilings(item_bytes(size), row["gbps"], floors)
+    if size in mooncake:
+        row["mooncake_gbps"] = mooncake[size]
+        row["stream_vs_mooncake"] = median(by["stream_cached_seq"]) / mooncake[size]
+    return row
+
+
+def ceilings(nbytes: int, gbps: dict[str, float], floors: dict[str, float]) -> dict[str, float]:
+    """The most a goal's ratio could reach in this run, set by what no server of ours can skip:
+
+    - stream_cached_seq: one call at a time is bare grpcio's own sequential rate against the best bare.
+    - stream_computed_seq: a new image is decoded before its payload exists, then streamed at best as
+      bare grpcio streams one call at a time.
+    - stream_computed_x4: bare grpcio with 4 in flight keeps both cores busy on this VM (see
+      docs/performance-dataplane.md), so the decoding's CPU adds to it, spread over every core.
+    - shm_seq_vs_zmq: an item placed over gRPC costs at least a call that carries its request, even if
+      its payload moved for free.
+    """
+    ms = {kind: nbytes / 1e6 / gbps[kind] for kind in ("bare_seq", "bare_x4", "zmq")}  # per item
+    best = min(ms["bare_seq"], ms["bare_x4"])
+    return {
+        "stream_cached_seq": best / ms["bare_seq"],
+        "stream_computed_seq": best / (ms["bare_seq"] + floors["jpeg_decode"]),
+        "stream_computed_x4": best / (ms["bare_x4"] + floors["jpeg_decode"] / (os.cpu_count() or 1)),
+        "shm_seq_vs_zmq": ms["zmq"] / floors["request_ack"],
+    }

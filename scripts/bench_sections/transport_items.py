@@ -1,0 +1,25 @@
+"""What the transport section moves: items of Qwen2.5-VL-7B's width at the nominal sizes, the small
+item, and the real JPEG each call carries (scripts/profile_dataplane.py sends the same ones)."""
+
+from __future__ import annotations
+
+from testkit.images import image_bytes
+
+TRANSPORT_HIDDEN = 3584  # Qwen2.5-VL-7B's embedding width: 1,024 bf16 tokens are 7 MiB
+SMALL_TOKENS = 64
+SMALL = 0  # the key of the small item among the nominal sizes
+IN_FLIGHT = 4  # calls in flight in the pipelined modes: a prefill node has many requests at once
+
+
+def item_tokens(size: int) -> int:
+    """Rows of the item that stands for nominal size `size` (bytes): 1,024 for 7 MiB, 4,682 for 32 MiB."""
+    return SMALL_TOKENS if size == SMALL else -(-size // (TRANSPORT_HIDDEN * 2))
+
+
+def item_bytes(size: int) -> int:
+    return item_tokens(size) * TRANSPORT_HIDDEN * 2
+
+
+def request_jpeg(seed: int, side: int = 720) -> bytes:
+    """A real JPEG of random pixels, ~470 KB at 720x720: what a 1,024-token image weighs on the wire."""
+    return image_bytes(side, side, seed, fmt="JPEG", quality=90)
