@@ -34,6 +34,7 @@ from typing import Self
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
 
 from testkit import REPO_ROOT
+from testkit.bench_harness import markdown_table, write_json
 from testkit.checkpoints import qwen2_5_vl_7b_tower
 from testkit.default_model import write_default_model
 from testkit.peers import CONFIGURATIONS, MAX_IMAGES, MODEL, PEERS, Context
@@ -183,26 +184,27 @@ def print_table(report: dict, rates: list[str], title: str) -> None:
     heads = ["configuration", "completed"] + [f"{h} (x best peer)" for _, h, _ in COLUMNS]
     heads += ["encoder images/s", "peak RSS GiB", "same tokens as its engine alone"]
     for rate in rates:
-        print(f"request rate {rate}/s:\n\n| " + " | ".join(heads) + " |\n|" + " --- |" * len(heads))
         rows = {name: entry["rates"][rate] for name, entry in report.items() if "error" not in entry}
         best = {key: better(rows[p][key] for p in PEERS if p in rows) for key, _, better in COLUMNS
                 if any(p in rows for p in PEERS)}  # fmt: skip
+        cells = []
         for name, entry in report.items():
             if "error" in entry:
-                print(f"| {name} | failed: {entry['error']} |")
+                cells.append([name, f"failed: {entry['error']}"] + [""] * (len(heads) - 2))
                 continue
             row = rows[name]
-            cells = [name, f"{row['completed']} ({row['failed']} failed)"]
-            cells += [f"{row[key]:.1f} ({row[key] / best[key]:.2f}x)" if best.get(key) else f"{row[key]:.1f}"
-                      for key, _, _ in COLUMNS]  # fmt: skip
+            line = [name, f"{row['completed']} ({row['failed']} failed)"]
+            line += [f"{row[key]:.1f} ({row[key] / best[key]:.2f}x)" if best.get(key) else f"{row[key]:.1f}"
+                     for key, _, _ in COLUMNS]  # fmt: skip
             images = entry["encoder_images_per_s"]
-            cells += [
+            line += [
                 "–" if images is None else f"{images:.1f}",
                 f"{entry['peak_rss_gib']:.2f}",
                 same_tokens(report, name),
             ]
-            print("| " + " | ".join(cells) + " |")
-        print()
+            cells.append(line)
+        print(f"request rate {rate}/s:\n")
+        print("\n".join(markdown_table(heads, cells)) + "\n")
 
 
 def tower_model(tower: str, device: str, work: Path) -> Path:
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 "failed" if "error" in report[name] else "",
                 flush=True,
             )
-        (work / "report.json").write_text(json.dumps(reports, indent=2))
+        write_json(work / "report.json", reports)
     for tower, report in reports.items():
         print_table(report, args.rates, f"{tower} tower, {args.device}")
     print(f"logs and result files: {work}")

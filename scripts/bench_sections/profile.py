@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from testkit.checkpoints import qwen2_5_vl_7b_tower
+
 MiB = 1 << 20
 
 
@@ -32,19 +34,6 @@ class Profile:
     preprocess_workers: int
 
 
-def real_tower(depth: int) -> dict:
-    """Qwen2.5-VL-7B's vision tower at its real width; `depth` 32 is the real model."""
-    return {
-        "depth": depth,
-        "hidden_size": 1280,
-        "intermediate_size": 3420,
-        "num_heads": 16,
-        "out_hidden_size": 3584,
-        "fullatt_block_indexes": [i for i in (7, 15, 23, 31) if i < depth] or [depth - 1],
-        "window_size": 112,
-    }
-
-
 TINY_TOWER = {
     "depth": 2,
     "hidden_size": 128,
@@ -59,7 +48,7 @@ TINY_TOWER = {
 def profile_for(device: str, quick: bool) -> Profile:
     if device == "cuda":
         return Profile(
-            device="cuda", dtype="bfloat16", torch_threads=4, tower=real_tower(32),
+            device="cuda", dtype="bfloat16", torch_threads=4, tower=qwen2_5_vl_7b_tower(32),
             transport_sizes=(7 * MiB, 32 * MiB), transport_bytes=(64 if quick else 512) * MiB, rounds=1 if quick else 3,
             serving_image=(448, 448), serving_images=32 if quick else 256, serving_clients=8,
             batching_clients=16, batching_requests=4 if quick else 32, batching_image=(56, 56),
@@ -67,7 +56,7 @@ def profile_for(device: str, quick: bool) -> Profile:
             image_sizes=((448, 448), (896, 896)), image_size_images=32 if quick else 256, preprocess_workers=12,
         )  # fmt: skip
     return Profile(
-        device="cpu", dtype="float32", torch_threads=1, tower=TINY_TOWER if quick else real_tower(1),
+        device="cpu", dtype="float32", torch_threads=1, tower=TINY_TOWER if quick else qwen2_5_vl_7b_tower(1),
         transport_sizes=(7 * MiB, 32 * MiB), transport_bytes=(32 if quick else 256) * MiB, rounds=1 if quick else 7,
         serving_image=(112, 112), serving_images=4 if quick else 12, serving_clients=2,
         batching_clients=16, batching_requests=2 if quick else 12, batching_image=(56, 56),
