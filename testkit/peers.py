@@ -151,7 +151,8 @@ def sglang_alone(ctx: Context) -> Iterator[Running]:
 
 @contextlib.contextmanager
 def sglang_epd(ctx: Context) -> Iterator[Running]:
-    """SGLang's encoder server in its HTTP mode (its gRPC mode's health probe evicts gRPC encoders: FACTS.md)."""
+    """SGLang's encoder server in its HTTP mode: in its gRPC mode SGLang 0.5.23's health probe (an HTTP GET on
+    the grpc:// URL) evicts the encoder (testkit/sglang_server.py)."""
     encoder_flags = [*ctx.sglang_flags, "--encoder-only"]
     with launch_sglang(
         ctx.model_dir, log_path=ctx.log("sglang-encoder"), extra_args=encoder_flags
