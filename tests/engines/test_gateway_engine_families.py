@@ -1,26 +1,30 @@
 """encoder-gateway -> vLLM 0.32 for the families beyond the Qwen-VL ones that tests/test_gateway_engine*.py and
 tests/engines/test_vllm_connector.py cover: a vLLM whose vision weights are zeros, fed by our encoders, answers as
 vLLM alone given the same bytes (same token ids and top logprobs within a tolerance of the served dtype,
-greedy), through the inline hand-off and through the connector hand-off, on images off every grid, several
-in one request."""
+greedy), through the connector hand-off and, where encoder-gateway takes the family inline (its start-up
+check, from encoder_common/families.py), the inline one, on images users send, several in one request. The
+start-up refusal of the other families is tests/gateway/test_handoff_families.py's and test_gateway.py's."""
 
 from __future__ import annotations
 
-import json
+import contextlib
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
 import torch
 
+from encoder_common.families import BY_MODEL_TYPE
+from gateway.handoff import check_family
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
+from testkit.image_set import image_set
 from testkit.servers import running_server
-from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
+from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm, start_vllm_encoder
 from tests.support.gateway import (
     chat_request,
     complete,
     image_part,
-    images,
     logprob_gap,
     running_gateway,
     zeroed_tower_copy,
@@ -29,19 +33,50 @@ from tests.support.gateway import (
 pytestmark = pytest.mark.engine
 
 MODEL = "tiny"  # --served-model-name of both engines
-# model type -> the dtype engines and encoders serve it in: families served by the transformers backend,
-# beyond those tested elsewhere. vLLM 0.32 runs Qwen3.5's Gated DeltaNet layers on CPU in bfloat16 only
+
+
+@dataclass(frozen=True)
+class Served:
+    """How a model type is served here: the dtype of the engines and the encoders, and the encoders' tower
+    backend ("transformers": `encoder-server` with default flags; "vllm": `encoder-server --backend vllm`
+    from the engines' venv)."""
+
+    dtype: torch.dtype
+    backend: str = "transformers"
+
+
+# model type -> how it is served. vLLM 0.32 runs Qwen3.5's Gated DeltaNet layers on CPU in bfloat16 only
 # ("CPU GDN attention requires BF16."), and refuses a Qwen3.5 without them ("no mamba layers in the model").
-MODEL_TYPES = {"qwen3_5": torch.bfloat16}
+MODEL_TYPES = {
+    "qwen3_5": Served(torch.bfloat16),
+    "internvl": Served(torch.float32),
+    "llava_next": Served(torch.float32),
+    "llava_onevision": Served(torch.float32),
+}
 # Largest logprob difference allowed: float32 as the other engine tests; bfloat16, where our tower and
 # vLLM's round differently (measured: 4e-3 to 8e-3 on 2026-12-03), a margin over that.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-# Every request's images: sizes off every grid, one, two and three images in a request.
+# Every request's images, as users send them: off every grid, transparent (RGBA, palette with a transparent
+# index), EXIF-rotated, tiny, long and thin; one and three images in a request, of one size and of
+# several (which give several token counts).
 CASES = {
-    "1": images([(333, 250)], seed=41),
-    "2": images([(200, 150), (97, 301)], seed=42),
-    "3": images([(128, 128), (451, 120), (64, 77)], seed=44),
+    name: [image_set()[image] for image in names]
+    for name, names in {
+        "off-grid": ["size-333x250"],
+        "alpha-exif": ["png-rgba", "jpeg-exif-rotated", "png-palette-trns"],
+        "sizes": ["size-28x28", "size-2000x57-wide", "size-31x1500-thin"],
+    }.items()
 }
+
+
+def handoffs(model_type: str) -> list[str]:
+    """The hand-offs encoder-gateway takes the family through: the connector always, inline where its start-up
+    check (from encoder_common/families.py) lets the family through."""
+    taken = ["connector"]
+    with contextlib.suppress(ValueError):
+        check_family(BY_MODEL_TYPE[model_type].name, "inline")
+        taken.insert(0, "inline")
+    return taken
 
 
 @pytest.fixture(scope="module", params=list(MODEL_TYPES))
@@ -51,7 +86,7 @@ def model_type(request):
 
 @pytest.fixture(scope="module")
 def dtype(model_type):
-    return MODEL_TYPES[model_type]
+    return MODEL_TYPES[model_type].dtype
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +116,25 @@ async def reference(model_dir, dtype, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def encoders(model_dir, dtype):
-    async with (
-        running_server(model_dir, dtype=dtype) as first,
-        running_server(model_dir, dtype=dtype) as second,
-    ):
-        yield first.url, second.url
+async def encoders(model_type, model_dir, dtype, tmp_path_factory):
+    """Two encoder servers on the checkpoint, of the backend the table names."""
+    if MODEL_TYPES[model_type].backend == "transformers":
+        async with (
+            running_server(model_dir, dtype=dtype) as first,
+            running_server(model_dir, dtype=dtype) as second,
+        ):
+            yield first.url, second.url
+        return
+    log_dir = tmp_path_factory.mktemp("vllm-encoders")
+    name = str(dtype).removeprefix("torch.")
+    servers = []
+    try:
+        for n in range(2):
+            servers.append(start_vllm_encoder(model_dir, log_dir / f"encoder-{n}.log", dtype=name))
+        yield tuple(server.url for server in servers)
+    finally:
+        for server in servers:
+            server.stop(grace_s=10)
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +142,7 @@ async def consumer(model_dir, dtype, reference, encoders, tmp_path_factory):
     """vLLM on a copy whose vision weights are zeros, as an ec_consumer with EncoderServiceConnector: it
     takes inline embeddings and fetches leased ones, and its own tower would answer wrongly."""
     zeroed = zeroed_tower_copy(model_dir, tmp_path_factory.mktemp("zeroed") / "model")
-    transfer = {
-        "ec_connector": "EncoderServiceConnector",
-        "ec_connector_module_path": "receiver.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"encoders": list(encoders), "fetch_timeout_s": 60},
-    }
-    args = engine_args(dtype, "--ec-transfer-config", json.dumps(transfer))
+    args = engine_args(dtype, "--ec-transfer-config", connector_transfer_config(encoders, fetch_timeout_s=60))
     log_path = tmp_path_factory.mktemp("vllm-consumer") / "vllm.log"
     with launch_vllm(zeroed, log_path=log_path, extra_args=args) as server:
         yield server
@@ -109,6 +151,10 @@ async def consumer(model_dir, dtype, reference, encoders, tmp_path_factory):
 @pytest.mark.parametrize("handoff", ["inline", "connector"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_same_tokens_as_vllm_alone(model_type, dtype, reference, encoders, consumer, handoff, case):
+    if handoff not in handoffs(model_type):
+        pytest.skip(
+            f"encoder-gateway refuses {model_type} inline at start-up (tests/gateway/test_handoff_families.py)"
+        )
     async with (
         running_gateway(consumer.url, encoders, handoff=handoff) as url,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session,
@@ -116,7 +162,7 @@ async def test_same_tokens_as_vllm_alone(model_type, dtype, reference, encoders,
         got = await complete(session, url, chat_request(MODEL, [image_part(p) for p in CASES[case]]))
     difference = logprob_gap(got, reference[case])
     print(
-        f"\n{model_type} ({dtype}), {case} images, {handoff}: {len(got)} tokens equal, largest gap {difference:.2e}"
+        f"\n{model_type} ({dtype}), {case}, {handoff}: {len(got)} tokens equal, largest gap {difference:.2e}"
     )
     assert difference <= TOLERANCE[dtype]
 
@@ -130,5 +176,7 @@ async def test_the_zeroed_tower_alone_answers_otherwise(model_type, dtype, refer
             try:
                 difference = logprob_gap(got, reference[case])
             except AssertionError:  # other token ids
+                print(f"\n{model_type}, {case}, zeroed tower: other token ids")
                 continue
+            print(f"\n{model_type}, {case}, zeroed tower: largest gap {difference:.2e}")
             assert difference > TOLERANCE[dtype], (model_type, case, difference)
