@@ -23,7 +23,7 @@ from testkit.servers import running_server
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_start_up_check_follows_the_registry(family, handoff):
     """Inline needs an image_embeds form vLLM takes and the gateway builds; the connector carries every
-    family (deepstack aside, which gateway/app.py refuses from ModelInfo)."""
+    family, Qwen3-VL's deepstack levels included."""
     refused = handoff == "inline" and FAMILIES[family].vllm.image_embeds not in ("grid", "tensor")
     if refused:
         with pytest.raises(ValueError, match=f"family '{family}'.*connector"):
