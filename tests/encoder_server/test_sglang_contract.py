@@ -196,13 +196,12 @@ async def test_qwen3_5_parts_are_the_models_own_image_features(model_type, tmp_p
     model_dir = write_checkpoint(model_type, tmp_path / model_type)
     pngs = [image_bytes(200, 150, seed=1), image_bytes(97, 301, seed=2), image_bytes(64, 77, seed=3)]
     socket, port = pull
-    async with running_server(model_dir) as server:
-        async with grpc.aio.insecure_channel(server.url.removeprefix("grpc://")) as channel:
-            request = sglang_pb.EncodeRequest(
-                mm_items=[data_uri(png) for png in pngs], req_id="q35", num_parts=1, part_idx=0,
-                prefill_host="127.0.0.1", embedding_port=[port],
-            )  # fmt: skip
-            response = await sglang_grpc.SglangEncoderStub(channel).Encode(request)
+    request = sglang_pb.EncodeRequest(
+        mm_items=[data_uri(png) for png in pngs], req_id="q35", num_parts=1, part_idx=0,
+        prefill_host="127.0.0.1", embedding_port=[port],
+    )  # fmt: skip
+    async with running_server(model_dir) as server, grpc.aio.insecure_channel(server.url[len("grpc://") :]) as channel:
+        response = await sglang_grpc.SglangEncoderStub(channel).Encode(request)
     meta, tensor = await asyncio.wait_for(socket.recv_multipart(), 10)
     data = _EmbeddingDataReader(io.BytesIO(meta)).load()
     expected = reference_features(model_dir, pngs)
