@@ -99,7 +99,9 @@ async def chat(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
     return {"text": choice["message"]["content"], "steps": steps}
 
 
-async def answer_all(session: aiohttp.ClientSession, model_dir, log_path, bodies: dict, **flags) -> dict:
+async def answer_all(
+    session: aiohttp.ClientSession, model_dir: Path, log_path: Path, bodies: dict, **flags
+) -> dict:
     """SGLang's server on `model_dir` started, asked every request of `bodies` (/generate, or the chat API
     for "chat"), and stopped; on a thread, so that the pods serve on this event loop meanwhile."""
     engine = contextlib.ExitStack()
