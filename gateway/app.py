@@ -132,20 +132,14 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
 
 
 async def _check_encoders(receiver: EncoderReceiver, handoff: str) -> None:
-    """Refuses to start when the encoders serve a family vLLM cannot take embeddings of (or, for the
-    connector hand-off, one with deepstack features); an encoder that does not answer yet is not fatal
-    (pods start in any order)."""
+    """Refuses to start when the encoders serve a family the hand-off cannot give vLLM; an encoder that
+    does not answer yet is not fatal (pods start in any order)."""
     try:
         info = await receiver.served_model()
     except EncoderError as exc:
         log.warning("encoders not checked at start-up: %s", exc)
         return
     check_family(info.family, handoff)
-    if handoff == "connector" and info.num_deepstack_layers:
-        raise ValueError(
-            f"the encoders serve {info.family} with {info.num_deepstack_layers} deepstack layers, which the "
-            "connector hand-off does not carry to vLLM; use --handoff inline"
-        )
     log.info(
         "encoders serve %s (hidden %d, %d deepstack layers)",
         info.family,

@@ -135,13 +135,10 @@ def leased_part(item: ItemResult, taken: VllmInput = QWEN_GRID, image: bytes | N
     """One leased item named by its lease key as the `uuid`, by which an ec_consumer vLLM's
     EncoderServiceConnector fetches it from the encoders: a metadata-only `image_embeds` part (its grid)
     where vLLM sizes the family's placeholders from that, else the raw image (`image`, the bytes encoded),
-    which vLLM's processor sizes them from while its tower does not run."""
+    which vLLM's processor sizes them from while its tower does not run. Deepstack levels (Qwen3-VL) stay
+    on the encoder with the embedding: the connector fetches both."""
     if item.lease is None:
         raise ValueError(f"item {item.index} was encoded without a lease: nothing names it to the engine")
-    if item.deepstack is not None:
-        raise ValueError(
-            f"item {item.index} has deepstack features, which the connector hand-off does not carry"
-        )
     uuid = item_uuid(item.lease.key)
     if taken.sized_without_image:
         return {"type": "image_embeds", "image_embeds": {"image_grid_thw": _grid(item)}, "uuid": uuid}

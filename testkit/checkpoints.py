@@ -109,7 +109,9 @@ def qwen3_vl(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, ob
     # Wider than the others so that one item's embedding plus deepstack spans several wire chunks.
     hidden = 4 * TEXT_HIDDEN
     rope = _mrope(hidden) | {"mrope_interleaved": True}
-    text = _text_config(hidden, vocab_size, head_dim=hidden // 4, rope_parameters=rope)
+    # Three language-model layers: the engines add deepstack level i to the image rows after layer i, so
+    # with one layer the levels would change nothing a generated token sees.
+    text = _text_config(hidden, vocab_size, head_dim=hidden // 4, rope_parameters=rope, num_hidden_layers=3)
     config_class, model_class = Qwen3VLConfig, Qwen3VLForConditionalGeneration
     if moe:  # Qwen3-VL-30B-A3B and its kin: the same tower before a mixture-of-experts language model
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)

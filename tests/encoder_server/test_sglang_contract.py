@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
+import math
+import pickle
 import pickletools
 import re
 import socket
@@ -33,8 +36,10 @@ from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb
 from protos import sglang_encoder_pb2_grpc as sglang_grpc
+from testkit.checkpoints import write_checkpoint
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
+from testkit.reference import image_rows, reference_features
 from testkit.servers import running_server
 
 
@@ -163,6 +168,49 @@ async def test_deepstack_layers_go_beside_the_embedding_as_sglang_splits_them(de
         output = encoder.output(width)
         expected.append(torch.cat([output.embedding, *output.deepstack], dim=1))
     assert torch.equal(rows, torch.cat(expected))
+
+
+class _StandIn:
+    """Whatever SGLang class an EmbeddingData pickle names: keeps the state it is built with."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+class _EmbeddingDataReader(pickle.Unpickler):
+    """Reads a pushed EmbeddingData pickle without SGLang: its classes become stand-ins, torch's dtypes stay."""
+
+    def find_class(self, module, name):
+        return getattr(torch, name) if module == "torch" else _StandIn
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe"])
+async def test_qwen3_5_parts_are_the_models_own_image_features(model_type, tmp_path, pull):
+    """Qwen3.5 and Qwen3.5-MoE, whose parts SGLang's --language-only server takes as Qwen-VL's: one part of
+    three images off the 32 px grid is the full model's own get_image_features (float32, within 1e-5), the
+    images' rows in order, with each image's grid in the EmbeddingData SGLang unpickles. (SGLang 0.5.23
+    does not serve Qwen3.5 on a CPU: docs/sglang.md.)"""
+    model_dir = write_checkpoint(model_type, tmp_path / model_type)
+    pngs = [image_bytes(200, 150, seed=1), image_bytes(97, 301, seed=2), image_bytes(64, 77, seed=3)]
+    socket, port = pull
+    request = sglang_pb.EncodeRequest(
+        mm_items=[data_uri(png) for png in pngs], req_id="q35", num_parts=1, part_idx=0,
+        prefill_host="127.0.0.1", embedding_port=[port],
+    )  # fmt: skip
+    async with running_server(model_dir) as server, grpc.aio.insecure_channel(server.url[len("grpc://") :]) as channel:
+        response = await sglang_grpc.SglangEncoderStub(channel).Encode(request)
+    meta, tensor = await asyncio.wait_for(socket.recv_multipart(), 10)
+    data = _EmbeddingDataReader(io.BytesIO(meta)).load()
+    expected = reference_features(model_dir, pngs)
+    want = torch.cat([image_rows(features) for features in expected])
+    rows = torch.frombuffer(bytearray(tensor), dtype=torch.float32).view(-1, want.shape[1])
+    assert (response.embedding_len, response.embedding_dim) == tuple(want.shape) == tuple(data.shape)
+    assert data.dtype == torch.float32 and data.error_msg is None
+    assert [math.prod(grid) // 4 for grid in data.grid_dim] == [len(image_rows(f)) for f in expected]
+    torch.testing.assert_close(rows, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -1,20 +1,24 @@
 """SGLang's own server (sglang 0.5.23, whole, on the CPU) as a language-only prefill server on our encoder
 pods answers as SGLang serving the same checkpoint alone with its own vision tower: same greedy tokens,
-logprobs within float32 noise, and every image came from the pods.
+logprobs within float32 noise, and every image came from the pods. Qwen2.5-VL, and Qwen3.5.
 
-Two SGLang servers, one after the other (one engine process at a time), each started once for the
-module: first alone, then language-only with `--encoder-urls` naming two in-process encoder servers.
+Per checkpoint two SGLang servers, one after the other (one engine process at a time), each started once
+for the module: first alone, then language-only with `--encoder-urls` naming two in-process encoder servers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
 
+from testkit.checkpoints import write_checkpoint
+from testkit.engine_files import write_engine_files
 from testkit.servers import running_server
 from testkit.sglang_server import SGLANG_PYTHON, launch_sglang, language_only_args
 from tests.support.gateway import TOP_LOGPROBS, data_url, images, logprob_gap
@@ -33,10 +37,10 @@ CHAT_COUNT = 2  # images of the chat request (others than /generate's: no cache 
 CHAT_SEED = 100
 
 
-def generate_request(count: int) -> dict:
+def generate_request(count: int, sizes: dict = SIZES) -> dict:
     """A greedy /generate request in the Qwen chat format with `count` images, asking for each output
     token's id, logprob and top logprobs."""
-    pngs = images(SIZES[count], seed=count)
+    pngs = images(sizes[count], seed=count)
     prompt = (
         "<|im_start|>user\n"
         + "<|vision_start|><|image_pad|><|vision_end|>" * count
@@ -95,6 +99,22 @@ async def chat(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
     return {"text": choice["message"]["content"], "steps": steps}
 
 
+async def answer_all(
+    session: aiohttp.ClientSession, model_dir: Path, log_path: Path, bodies: dict, **flags
+) -> dict:
+    """SGLang's server on `model_dir` started, asked every request of `bodies` (/generate, or the chat API
+    for "chat"), and stopped; on a thread, so that the pods serve on this event loop meanwhile."""
+    engine = contextlib.ExitStack()
+    url = await asyncio.to_thread(engine.enter_context, launch_sglang(model_dir, log_path=log_path, **flags))
+    try:
+        return {
+            name: await (chat if name == "chat" else generate)(session, url, body)
+            for name, body in bodies.items()
+        }
+    finally:
+        await asyncio.to_thread(engine.close)
+
+
 # What an encoder server counted: the items of its successful calls, and the embedding rows it sent.
 SERVED = {"encoder_items_total": {"outcome": "ok", "code": "OK"}, "encoder_tokens_total": {}}
 
@@ -117,21 +137,12 @@ async def answers(default_model_dir, tmp_path_factory):
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
         )
 
-        async def answer_all(log_name: str, **flags) -> dict:
-            # Started and stopped on a thread: the pods serve on this event loop meanwhile.
-            engine = contextlib.ExitStack()
-            launch = launch_sglang(default_model_dir, log_path=logs / log_name, **flags)
-            url = await asyncio.to_thread(engine.enter_context, launch)
-            try:
-                replies = {n: await generate(session, url, body) for n, body in generates.items()}
-                replies["chat"] = await chat(session, url, chat_body)
-                return replies
-            finally:
-                await asyncio.to_thread(engine.close)
-
-        alone = await answer_all("alone.log")
+        bodies = {**generates, "chat": chat_body}
+        alone = await answer_all(session, default_model_dir, logs / "alone.log", bodies)
         args, env = language_only_args([pod.url for pod in pods])
-        on_pods = await answer_all("language-only.log", extra_args=args, extra_env=env)
+        on_pods = await answer_all(
+            session, default_model_dir, logs / "language-only.log", bodies, extra_args=args, extra_env=env
+        )
         yield {
             "alone": alone,
             "on_pods": on_pods,
@@ -167,3 +178,85 @@ def test_every_image_came_from_the_pods(answers):
     assert all(pod["encoder_items_total"] > 0 for pod in pods)
     image_tokens = sum((w // 28) * (h // 28) for w, h in every_size)
     assert sum(pod["encoder_tokens_total"] for pod in pods) == image_tokens
+
+
+# Qwen3.5: Gated DeltaNet (linear attention) layers beside full attention, a tower without deepstack;
+# images off its 32 px grid, one and three in a request.
+QWEN3_5_SIZES = {1: [(333, 250)], 3: [(200, 150), (97, 301), (128, 77)]}
+# SGLang 0.5.23 on a CPU: the Mamba radix cache's default strategy for Qwen3.5 (extra_buffer) asserts a GPU
+# platform ("extra_buffer requires platform support for Mamba cache state snapshots."), and no_buffer
+# asserts the overlap schedule off.
+QWEN3_5_ARGS = ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]
+
+
+def qwen3_5_checkpoint(root: Path) -> Path:
+    """The tiny Qwen3.5 with its tokenizer, and two config keys SGLang reads that transformers' save leaves
+    out: the layer pattern as `full_attention_interval` (SGLang 0.5.23 ignores `layer_types`: without it,
+    "'Qwen3_5TextConfig' object has no attribute 'full_attention_interval'"), and the tower's
+    `deepstack_visual_indexes` (SGLang's default is Qwen3-VL's [8, 16, 24]: its prefill then scatters
+    three deepstack levels the tower never made and crashes in `_scatter_mm_embedding`)."""
+    model_dir = write_engine_files(write_checkpoint("qwen3_5", root, vocab_size=320))
+    config = json.loads((model_dir / "config.json").read_text())
+    layer_types = config["text_config"]["layer_types"]
+    config["text_config"]["full_attention_interval"] = layer_types.index("full_attention") + 1
+    config["vision_config"]["deepstack_visual_indexes"] = []
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return model_dir
+
+
+# Why SGLang 0.5.23 cannot serve Qwen3.5 on a CPU (docs/sglang.md): the Gated DeltaNet layers of its
+# language model (so the language-only server's too) run Triton kernels only, unless on CUDA or on SGLang's
+# CPU engine, whose kernels (sgl_kernel) the package index has no CPU build of.
+NO_TRITON_DRIVER = "0 active drivers ([]). There should only be one."
+
+
+@pytest.fixture(scope="module")
+async def qwen3_5_answers(tmp_path_factory):
+    """Every Qwen3.5 request's answer from SGLang alone and from SGLang on two pods, and what the pods served;
+    the tests are marked xfail, naming the error, while SGLang alone fails at start-up as it does today."""
+    root = tmp_path_factory.mktemp("sglang-qwen3_5")
+    model_dir = qwen3_5_checkpoint(root / "model")
+    bodies = {count: generate_request(count, QWEN3_5_SIZES) for count in QWEN3_5_SIZES}
+    async with contextlib.AsyncExitStack() as stack:
+        pods = [await stack.enter_async_context(running_server(model_dir)) for _ in range(2)]
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        )
+        try:
+            alone = await answer_all(session, model_dir, root / "alone.log", bodies, extra_args=QWEN3_5_ARGS)
+        except RuntimeError:
+            if NO_TRITON_DRIVER not in (root / "alone.log").read_text(errors="replace"):
+                raise
+            pytest.xfail(
+                f"SGLang 0.5.23 on a CPU runs Qwen3.5's Gated DeltaNet layers in Triton only: {NO_TRITON_DRIVER}"
+            )
+        args, env = language_only_args([pod.url for pod in pods])
+        on_pods = await answer_all(
+            session,
+            model_dir,
+            root / "language-only.log",
+            bodies,
+            extra_args=[*QWEN3_5_ARGS, *args],
+            extra_env=env,
+        )
+        yield {
+            "alone": alone,
+            "on_pods": on_pods,
+            "pods": [served(pod, "encoder_items_total") for pod in pods],
+        }
+
+
+@pytest.mark.parametrize("count", sorted(QWEN3_5_SIZES))
+def test_qwen3_5_same_greedy_tokens_and_logprobs_as_sglang_alone(qwen3_5_answers, count):
+    alone, on_pods = qwen3_5_answers["alone"][count], qwen3_5_answers["on_pods"][count]
+    assert len(alone["steps"]) == MAX_NEW_TOKENS
+    assert on_pods["prompt_tokens"] == alone["prompt_tokens"]
+    difference = logprob_gap(on_pods["steps"], alone["steps"])
+    print(
+        f"\nQwen3.5, {count} images: {MAX_NEW_TOKENS} tokens equal, largest logprob difference {difference:.2e}"
+    )
+    assert difference <= TOLERANCE
+
+
+def test_qwen3_5_every_image_came_from_the_pods(qwen3_5_answers):
+    assert sum(qwen3_5_answers["pods"]) == sum(len(sizes) for sizes in QWEN3_5_SIZES.values())

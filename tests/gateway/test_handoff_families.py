@@ -23,7 +23,7 @@ from testkit.servers import running_server
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_start_up_check_follows_the_registry(family, handoff):
     """Inline needs an image_embeds form vLLM takes at any token count and the gateway builds; the connector
-    carries every family (deepstack aside, which gateway/app.py refuses from ModelInfo)."""
+    carries every family, Qwen3-VL's deepstack levels included."""
     taken = FAMILIES[family].vllm
     refused = handoff == "inline" and (
         taken.image_embeds not in ("grid", "tensor") or taken.equal_counts_only
