@@ -317,13 +317,18 @@ def gemma3(vocab_size: int, *, pan_and_scan: bool = False):
 def glm4v(vocab_size: int, *, moe: bool = False):
     """GLM-4.1V (and with `moe` GLM-4.5V): a Qwen-like patch-14 tower with 2x2 merging and 2D rope, before a
     GLM-4 language model with half-rotary 3D rope; head sizes vLLM's CPU attention runs (64)."""
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+    from transformers import (
+        Glm4vConfig,
+        Glm4vForConditionalGeneration,
+        Glm4vMoeConfig,
+        Glm4vMoeForConditionalGeneration,
+    )
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
     hidden = 4 * TEXT_HIDDEN
     # The real models rotate half of each head (partial_rotary_factor 0.5), split [8, 12, 12] over t, h, w of
     # 64 rotary dimensions; here 32 of a 64-wide head, in the same proportions.
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [4, 6, 6]}
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_section": [4, 6, 6]}
     text = _text_config(hidden, vocab_size, rope_parameters=rope)
     config_class, model_class = Glm4vConfig, Glm4vForConditionalGeneration
     if moe:  # GLM-4.5V: the same tower before a mixture-of-experts language model (every layer MoE here)
@@ -347,8 +352,10 @@ def glm4v(vocab_size: int, *, moe: bool = False):
         video_start_token_id=_GLM_VIDEO_MARKERS[0],
         video_end_token_id=_GLM_VIDEO_MARKERS[1],
     )
-    # The real checkpoints' range: 112x112 to 28x28x15000 pixels (4 to 15000 merged tokens), CLIP's mean and std.
-    return model_class(config), Glm4vImageProcessorPil(size={"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 15000})
+    # The real checkpoints' range: 112x112 to 28x28x15000 pixels (4 to 15000 merged tokens), CLIP's mean
+    # and std.
+    processor = Glm4vImageProcessorPil(size={"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 15000})
+    return model_class(config), processor
 
 
 def minicpmv4_6(vocab_size: int):
@@ -366,7 +373,7 @@ def minicpmv4_6(vocab_size: int):
     config = MiniCPMV4_6Config(
         vision_config=vision,
         text_config=text,
-        insert_layer_id=0,  # the window merger after the first of the two layers (after the 7th of 27 in the real ones)
+        insert_layer_id=0,  # the window merger after the first of the two layers (the 7th of 27 in the real ones)
         image_size=112,
         image_token_id=_TOKENS["image_token_id"],
         video_token_id=_TOKENS["video_token_id"],

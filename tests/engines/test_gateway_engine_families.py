@@ -47,7 +47,11 @@ class Served:
 
 # model type -> how it is served. vLLM 0.32 runs Qwen3.5's Gated DeltaNet layers on CPU in bfloat16 only
 # ("CPU GDN attention requires BF16."), and refuses a Qwen3.5 without them ("no mamba layers in the model").
-MODEL_TYPES = {"qwen3_5": Served(torch.bfloat16)}
+# GLM-4.xV has no transformers tower here: vLLM's own code encodes it (--backend vllm).
+MODEL_TYPES = {
+    "qwen3_5": Served(torch.bfloat16),
+    "glm4v": Served(torch.float32, "vllm"),
+}
 # Largest logprob difference allowed: float32 as the other engine tests; bfloat16, where our tower and
 # vLLM's round differently (measured: 4e-3 to 8e-3 on 2026-12-03), a margin over that.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -12,8 +12,10 @@ import torch
 
 from encoder_common.families import FAMILIES
 from gateway.handoff import HANDOFFS, ConnectorHandoff, InlineEmbedsHandoff, check_family
+from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver
-from receiver.fetch import lease_key
+from receiver.fetch import item_uuid, lease_key
+from receiver.result import EncodeResult, ItemResult
 from testkit.checkpoints import write_checkpoint
 from testkit.images import image_bytes
 from testkit.servers import running_server
@@ -22,9 +24,9 @@ from testkit.servers import running_server
 @pytest.mark.parametrize("handoff", HANDOFFS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_start_up_check_follows_the_registry(family, handoff):
-    """Inline needs an image_embeds form vLLM takes and the gateway builds; the connector carries every
+    """Inline needs an image_embeds form vLLM takes (the gateway builds each); the connector carries every
     family (deepstack aside, which gateway/app.py refuses from ModelInfo)."""
-    refused = handoff == "inline" and FAMILIES[family].vllm.image_embeds not in ("grid", "tensor")
+    refused = handoff == "inline" and FAMILIES[family].vllm.image_embeds is None
     if refused:
         with pytest.raises(ValueError, match=f"family '{family}'.*connector"):
             check_family(family, handoff)
@@ -57,3 +59,26 @@ async def test_parts_for_families_vllm_sizes_from_the_image(tmp_path):
     assert part["type"] == "image_url" and lease_key(part["uuid"]) == leased.items[0].lease.key
     prefix, data = part["image_url"]["url"].split(",", 1)
     assert prefix.endswith(";base64") and base64.b64decode(data) == png
+
+
+async def test_parts_for_a_family_vllm_sizes_from_the_image_size():
+    """MiniCPM-V: the encoder reports an item's image as loaded as the grid (1, height, width); inline, the
+    rows with `image_sizes` [width, height]; through the connector, `image_sizes` alone beside the lease
+    uuid."""
+    family = FAMILIES["minicpmv4_6"]
+    rows = torch.randn(28, 8)
+    item = ItemResult(index=0, embedding=rows, grid_thw=(1, 250, 333), encoder_url="x")
+    (part,) = await InlineEmbedsHandoff().content_parts(
+        "inline", EncodeResult("inline", [item]), family=family, images=[b"png"]
+    )
+    embeds = part["image_embeds"]
+    assert part["type"] == "image_embeds" and embeds["image_sizes"] == [333, 250]
+    loaded = torch.load(io.BytesIO(base64.b64decode(embeds["image_embeds"])), weights_only=True)
+    assert torch.equal(loaded, rows)
+
+    item.lease = pb.LeaseGrant(key=bytes(32))
+    (part,) = await ConnectorHandoff(lease_ttl_s=30).content_parts(
+        "leased", EncodeResult("leased", [item]), family=family, images=[b"png"]
+    )
+    metadata_only = {"image_embeds": {"image_sizes": [333, 250]}, "uuid": item_uuid(bytes(32))}
+    assert part == {"type": "image_embeds", **metadata_only}
