@@ -24,9 +24,10 @@ from testkit.servers import running_server
 @pytest.mark.parametrize("handoff", HANDOFFS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_start_up_check_follows_the_registry(family, handoff):
-    """Inline needs an image_embeds form vLLM takes (the gateway builds each); the connector carries every
-    family (deepstack aside, which gateway/app.py refuses from ModelInfo)."""
-    refused = handoff == "inline" and FAMILIES[family].vllm.image_embeds is None
+    """Inline needs an image_embeds form vLLM takes at any token count (the gateway builds each); the
+    connector carries every family (deepstack aside, which gateway/app.py refuses from ModelInfo)."""
+    taken = FAMILIES[family].vllm
+    refused = handoff == "inline" and (taken.image_embeds is None or taken.equal_counts_only)
     if refused:
         with pytest.raises(ValueError, match=f"family '{family}'.*connector"):
             check_family(family, handoff)
