@@ -62,10 +62,10 @@ async def test_parts_for_families_vllm_sizes_from_the_image(tmp_path):
     assert prefix.endswith(";base64") and base64.b64decode(data) == png
 
 
-async def test_parts_for_a_family_vllm_sizes_from_the_image_size():
-    """MiniCPM-V: the encoder reports an item's image as loaded as the grid (1, height, width); inline, the
-    rows with `image_sizes` [width, height]; through the connector, `image_sizes` alone beside the lease
-    uuid."""
+async def test_parts_for_a_family_vllm_takes_with_its_image_size():
+    """MiniCPM-V 4.6: the encoder reports an item's image as loaded as the grid (1, height, width); inline,
+    the rows with `image_sizes` [width, height]; through the connector, the image beside the lease uuid (vLLM
+    0.32's 4.6 processor drops a metadata-only part)."""
     family = FAMILIES["minicpmv4_6"]
     rows = torch.randn(28, 8)
     item = ItemResult(index=0, embedding=rows, grid_thw=(1, 250, 333), encoder_url="x")
@@ -81,5 +81,5 @@ async def test_parts_for_a_family_vllm_sizes_from_the_image_size():
     (part,) = await ConnectorHandoff(lease_ttl_s=30).content_parts(
         "leased", EncodeResult("leased", [item]), family=family, images=[b"png"]
     )
-    metadata_only = {"image_embeds": {"image_sizes": [333, 250]}, "uuid": item_uuid(bytes(32))}
-    assert part == {"type": "image_embeds", **metadata_only}
+    assert part["type"] == "image_url" and part["uuid"] == item_uuid(bytes(32))
+    assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == b"png"
