@@ -42,8 +42,11 @@ PLAIN_TENSOR = VllmInput(image_embeds="tensor", sized_without_image=False)
 TILED_TENSOR = VllmInput(image_embeds="tensor", sized_without_image=False, equal_counts_only=True)
 # Gemma 3, Mistral 3, Idefics 3, GLM-4.xV: no image_embeds; the connector hand-off with the image.
 IMAGE_ONLY = VllmInput(image_embeds=None, sized_without_image=False)
-# MiniCPM-V: image_embeds with its image sizes, placeholders sized from them.
-IMAGE_SIZES = VllmInput(image_embeds="image_sizes", sized_without_image=True)
+# MiniCPM-V 4.6: image_embeds with its image sizes inline. Its data parser declares image_sizes as metadata,
+# but vLLM 0.32's 4.6 processor keeps no image_sizes field (`_minicpmv4_6_field_config`): a metadata-only part
+# becomes no item ("Expected there to be 1 image items ... but only found 0"), so the connector hand-off
+# sends the image.
+IMAGE_SIZES = VllmInput(image_embeds="image_sizes", sized_without_image=False)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ server accepts (`--enable-mm-embeds`), and the `multi_modal_data` its `LLM.gener
 Formats read from vLLM 0.31 to 0.33 (`receiver.vllm_releases.SUPPORTED_VLLM`; gateway/app.py refuses to
 start in front of a vLLM that reports another release): a chat part `{"type": "image_embeds",
 "image_embeds": {"image_embeds": base64(torch.save(tensor)), "image_grid_thw": [t, h, w]}}` for the Qwen
-families (the grid a flat list; the tensor loaded with `torch.load(weights_only=True)`), and
+families (the grid a flat list; the tensor loaded with `torch.load(weights_only=True)`), the same with
+`"image_sizes": [width, height]` instead of the grid for MiniCPM-V, and
 `{"type": "image_embeds", "image_embeds": base64(torch.save(tensor))}` for the families vLLM takes a plain
 tensor of (encoder_common/families.py says which); Qwen3-VL's `image_embeds` is the main embedding with
 its deepstack levels concatenated after it along the hidden dimension (`[tokens, hidden * (1 + levels)]`).
@@ -46,11 +47,6 @@ def check_family(family: str, handoff: str) -> None:
             "core): the inline hand-off cannot carry it; the connector hand-off (--handoff connector) is the one "
             "for it"
         )
-    if handoff == "inline" and taken.image_embeds not in INLINE_FORMS:
-        raise ValueError(
-            f"the encoders serve family {family!r}, which vLLM takes as image_embeds {taken.image_embeds!r}; "
-            f"the inline hand-off builds {sorted(INLINE_FORMS)}; the connector hand-off carries it"
-        )
 
 
 def engine_embedding(item: ItemResult) -> torch.Tensor:
@@ -70,26 +66,32 @@ def serialize_tensor(tensor: torch.Tensor) -> str:
     return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
-# The image_embeds forms the inline hand-off builds (VllmInput.image_embeds).
-INLINE_FORMS = frozenset({"grid", "tensor"})
-
-
 def image_embeds_part(item: ItemResult, taken: VllmInput = QWEN_GRID) -> dict[str, Any]:
-    """One item as vLLM's `image_embeds` chat content part, in the form vLLM takes for the family."""
+    """One item as vLLM's `image_embeds` chat content part, in the form vLLM takes for the family (each form
+    of VllmInput.image_embeds)."""
+    if taken.image_embeds is None:
+        raise ValueError(
+            f"item {item.index}: vLLM takes no image_embeds of this family; use the connector hand-off"
+        )
     tensor = serialize_tensor(engine_embedding(item))
-    if taken.image_embeds == "grid":
-        return {
-            "type": "image_embeds",
-            "image_embeds": {"image_embeds": tensor, "image_grid_thw": _grid(item)},
-        }
     if taken.image_embeds == "tensor":
         return {"type": "image_embeds", "image_embeds": tensor}
-    raise ValueError(f"the inline hand-off builds no image_embeds part of the form {taken.image_embeds!r}")
+    return {"type": "image_embeds", "image_embeds": {"image_embeds": tensor, **embeds_metadata(item, taken)}}
+
+
+def embeds_metadata(item: ItemResult, taken: VllmInput) -> dict[str, list[int]]:
+    """What vLLM sizes the item's placeholders from beside its rows, by the family's form: the patch grid
+    (`image_grid_thw`, Qwen), or the image's [width, height] (`image_sizes`, MiniCPM-V; the encoder reports
+    the image as loaded as the grid (1, height, width))."""
+    grid = _grid(item)
+    if taken.image_embeds == "image_sizes":
+        return {"image_sizes": [grid[2], grid[1]]}
+    return {"image_grid_thw": grid}
 
 
 def _grid(item: ItemResult) -> list[int]:
     if len(item.grid_thw) != 3:
-        raise ValueError(f"item {item.index} has no (t, h, w) grid; vLLM's Qwen-VL embedding input needs one")
+        raise ValueError(f"item {item.index} has no (t, h, w) grid; vLLM's embedding metadata needs one")
     return [int(x) for x in item.grid_thw]
 
 
@@ -141,7 +143,7 @@ def leased_part(item: ItemResult, taken: VllmInput = QWEN_GRID, image: bytes | N
         raise ValueError(f"item {item.index} was encoded without a lease: nothing names it to the engine")
     uuid = item_uuid(item.lease.key)
     if taken.sized_without_image:
-        return {"type": "image_embeds", "image_embeds": {"image_grid_thw": _grid(item)}, "uuid": uuid}
+        return {"type": "image_embeds", "image_embeds": embeds_metadata(item, taken), "uuid": uuid}
     if image is None:
         raise ValueError(
             f"item {item.index}: vLLM sizes this family's placeholders from the image; none given"

@@ -21,6 +21,8 @@ from safetensors.torch import save_file
 TEXT_HIDDEN = 64
 _TOKENS = dict(image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253)
 _SPECIAL = dict(bos_token_id=254, eos_token_id=255, pad_token_id=0)
+# GLM-4.xV names its video markers too (<|begin_of_video|>, <|end_of_video|>).
+_GLM_VIDEO_MARKERS = (248, 249)
 
 
 def _text_config(hidden_size: int, vocab_size: int, **extra) -> dict:
@@ -169,18 +171,11 @@ def llava(
     return LlavaForConditionalGeneration(config), processor
 
 
-def qwen3_5(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, object]:
-    from transformers import (
-        Qwen3_5Config,
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5MoeConfig,
-        Qwen3_5MoeForConditionalGeneration,
-    )
-
-    # A linear-attention (Gated DeltaNet) layer and a full-attention one, as the real models alternate
-    # them; head sizes vLLM's CPU attention runs (64).
+def _qwen3_5_text(vocab_size: int) -> dict:
+    """Qwen3.5's language model, also MiniCPM-V 4.6's: a linear-attention (Gated DeltaNet) layer and a
+    full-attention one, as the real models alternate them; head sizes vLLM's CPU attention runs (64)."""
     hidden = 4 * TEXT_HIDDEN
-    text = _text_config(
+    return _text_config(
         hidden,
         vocab_size,
         num_hidden_layers=2,
@@ -192,6 +187,18 @@ def qwen3_5(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, obj
         linear_num_value_heads=2,
         rope_parameters=_mrope(hidden) | {"mrope_interleaved": True, "partial_rotary_factor": 1.0},
     )
+
+
+def qwen3_5(vocab_size: int, *, moe: bool = False) -> tuple[torch.nn.Module, object]:
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    hidden = 4 * TEXT_HIDDEN
+    text = _qwen3_5_text(vocab_size)
     config_class, model_class = Qwen3_5Config, Qwen3_5ForConditionalGeneration
     if moe:  # Qwen3.5-35B-A3B and its kin: the same tower before a mixture-of-experts language model
         text.update(
@@ -318,6 +325,74 @@ def gemma3(vocab_size: int, *, pan_and_scan: bool = False):
     return Gemma3ForConditionalGeneration(config), processor
 
 
+def glm4v(vocab_size: int, *, moe: bool = False):
+    """GLM-4.1V (and with `moe` GLM-4.5V): a Qwen-like patch-14 tower with 2x2 merging and 2D rope, before a
+    GLM-4 language model with half-rotary 3D rope; head sizes vLLM's CPU attention runs (64)."""
+    from transformers import (
+        Glm4vConfig,
+        Glm4vForConditionalGeneration,
+        Glm4vMoeConfig,
+        Glm4vMoeForConditionalGeneration,
+    )
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    hidden = 4 * TEXT_HIDDEN
+    # The real models rotate half of each head (partial_rotary_factor 0.5), split [8, 12, 12] over t, h, w of
+    # 64 rotary dimensions; here 32 of a 64-wide head, in the same proportions.
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5, "mrope_section": [4, 6, 6]}
+    text = _text_config(hidden, vocab_size, rope_parameters=rope)
+    config_class, model_class = Glm4vConfig, Glm4vForConditionalGeneration
+    if moe:  # GLM-4.5V: the same tower before a mixture-of-experts language model (every layer MoE here)
+        text.update(
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=0,
+            head_dim=hidden // 4, use_qk_norm=False,  # vLLM's GLM-4.5 reads both, as the real config has them
+        )  # fmt: skip
+        config_class, model_class = Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, image_size=56,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    config = config_class(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=_TOKENS["image_token_id"],
+        video_token_id=_TOKENS["video_token_id"],
+        image_start_token_id=_TOKENS["vision_start_token_id"],
+        image_end_token_id=_TOKENS["vision_end_token_id"],
+        video_start_token_id=_GLM_VIDEO_MARKERS[0],
+        video_end_token_id=_GLM_VIDEO_MARKERS[1],
+    )
+    # The real checkpoints' range: 112x112 to 28x28x15000 pixels (4 to 15000 merged tokens), CLIP's mean
+    # and std.
+    processor = Glm4vImageProcessorPil(size={"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 15000})
+    return model_class(config), processor
+
+
+def minicpmv4_6(vocab_size: int):
+    """MiniCPM-V 4.6: a SigLIP-like tower over an overview image and up to 9 slices (448 px in the real ones;
+    here 112 px), a window-attention 2x2 merger inside the tower and a 2x2 merger after it (16 patches per
+    token), before Qwen3.5's language model."""
+    from transformers import MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
+    from transformers.models.minicpmv4_6.image_processing_pil_minicpmv4_6 import MiniCPMV4_6ImageProcessorPil
+
+    text = dict(model_type="qwen3_5_text", **_qwen3_5_text(vocab_size))
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=112,
+        patch_size=14,
+    )  # fmt: skip
+    config = MiniCPMV4_6Config(
+        vision_config=vision,
+        text_config=text,
+        insert_layer_id=0,  # the window merger after the first of the two layers (the 7th of 27 in the real ones)
+        image_size=112,
+        image_token_id=_TOKENS["image_token_id"],
+        video_token_id=_TOKENS["video_token_id"],
+    )
+    processor = MiniCPMV4_6ImageProcessorPil(scale_resolution=112, patch_size=14, max_slice_nums=9)
+    return MiniCPMV4_6ForConditionalGeneration(config), processor
+
+
 # The one place each family's test checkpoint is written: family (encoder_common/families.py) -> builder.
 # A family with MoE checkpoints takes `moe=True`, which `write_checkpoint("<family>_moe", ...)` passes.
 BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, object]]] = {
@@ -330,6 +405,16 @@ BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, object]]] = {
     "llava_onevision": llava_onevision,
     "internvl": internvl,
     "gemma3": gemma3,
+    "glm4v": glm4v,
+    "minicpmv4_6": minicpmv4_6,
+}
+
+
+# Families whose tensors transformers saves under other names than their real checkpoints: it writes a CLIP
+# or SigLIP tower without the `vision_model.` level that the Hub's checkpoints (and vLLM's loader) have.
+REAL_PREFIXES: dict[str, dict[str, str]] = {
+    "llava_next": {"vision_tower.": "vision_tower.vision_model."},
+    "llava_onevision": {"vision_tower.": "vision_tower.vision_model."},
 }
 
 

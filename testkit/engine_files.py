@@ -117,12 +117,67 @@ LLAVA_ONEVISION = ChatFormat(
     },
 )
 
+# GLM-4.1V / 4.5V: each image inside its begin/end markers. The roles stay text (GLM writes them as tokens,
+# <|user|>, <|assistant|>): a turn opens with <sop> (the config's bos) and ends where the next user turn
+# would begin, at <|user|>, where GLM's checkpoints stop (the config's eos).
+GLM4V = ChatFormat(
+    specials={
+        "<|image|>": "image_token_id",
+        "<|video|>": "video_token_id",
+        "<|begin_of_image|>": "image_start_token_id",
+        "<|end_of_image|>": "image_end_token_id",
+        "<|begin_of_video|>": "video_start_token_id",
+        "<|end_of_video|>": "video_end_token_id",
+        "<sop>": "bos_token_id",
+        "<|user|>": "eos_token_id",
+        "<|endoftext|>": "pad_token_id",
+    },
+    image="<|begin_of_image|><|image|><|end_of_image|>",
+    video="<|begin_of_video|><|video|><|end_of_video|>",
+    eos="<|user|>",
+    pad="<|endoftext|>",
+    turn=("<sop>", "<|user|>"),
+)
+
+# MiniCPM-V 4.6: the Qwen turn markers and pad (its language model is Qwen3.5's); one <|image_pad|> per image,
+# which the processor expands into the overview and the slices, each between markers the config gives no id
+# (the processor reads them by name).
+MINICPMV4_6 = ChatFormat(
+    specials={
+        "<|image_pad|>": "image_token_id",
+        "<|video_pad|>": "video_token_id",
+        **QWEN2_TEXT,
+        "<image>": None,
+        "</image>": None,
+        "<slice>": None,
+        "</slice>": None,
+        "<image_id>": None,
+        "</image_id>": None,
+    },
+    image="<|image_pad|>",
+    video="<|video_pad|>",
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    named={
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "image_start_token": "<image>",
+        "image_end_token": "</image>",
+        "slice_start_token": "<slice>",
+        "slice_end_token": "</slice>",
+        "image_id_start_token": "<image_id>",
+        "image_id_end_token": "</image_id>",
+    },
+)
+
 # family (encoder_common/families.py) -> its chat format
 CHAT_FORMATS: dict[str, ChatFormat] = {
     "qwen2_vl": QWEN,
     "qwen2_5_vl": QWEN,
     "qwen3_vl": QWEN,
     "qwen3_5": QWEN,
+    "glm4v": GLM4V,
+    "minicpmv4_6": MINICPMV4_6,
     "internvl": INTERNVL,
     "llava_next": LLAVA_NEXT,
     "llava_onevision": LLAVA_ONEVISION,

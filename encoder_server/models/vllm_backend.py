@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 
 from encoder_common.errors import EncoderError, TokenCountMismatchError
+from encoder_common.families import family_of
 from receiver.vllm_releases import (
     TOWER_BACKEND_VLLM,
     TOWER_BACKEND_VLLM_BELOW,
@@ -139,6 +140,11 @@ class VllmVisionEncoder(VisionEncoder):
         gridded = GRID_KEY in self._process(Image.new("RGB", (64, 64)))[0]
         patching = vision_config if gridded else None
         family = hf_config.model_type.removesuffix("_moe")  # a MoE language model does not change the tower
+        # Families vLLM sizes from the image's size (its `image_embeds` with `image_sizes`, MiniCPM-V): each
+        # item reports (1, height, width) of the image as loaded, which the gateway hands vLLM; the rows
+        # are then not the grid's (spatial_merge_size 0).
+        known = family_of(hf_config.model_type)
+        self._sized = known is not None and known.vllm.image_embeds == "image_sizes"
         self.spec = ModelSpec(
             family=family,
             model_type=hf_config.model_type,
@@ -146,7 +152,7 @@ class VllmVisionEncoder(VisionEncoder):
             dtype=parameter.dtype,
             device=self.device,
             patch_size=getattr(vision_config, "patch_size", 1),
-            spatial_merge_size=getattr(patching, "spatial_merge_size", 1),
+            spatial_merge_size=0 if self._sized else getattr(patching, "spatial_merge_size", 1),
             temporal_patch_size=getattr(patching, "temporal_patch_size", 1),
             num_deepstack_layers=self.deepstack_layers,
             weights_fingerprint=module_fingerprint(self.model),
@@ -167,6 +173,8 @@ class VllmVisionEncoder(VisionEncoder):
         if grid is not None:
             grid_thw = tuple(int(x) for x in grid.data.tolist())
             num_patches = grid_thw[0] * grid_thw[1] * grid_thw[2]
+        elif self._sized:
+            grid_thw, num_patches = (1, image.height, image.width), num_tokens
         else:
             grid_thw, num_patches = (1, 1, num_tokens), num_tokens
         tensors = [elem.data for elem in item.values() if isinstance(elem.data, torch.Tensor)]

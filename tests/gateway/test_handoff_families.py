@@ -12,8 +12,10 @@ import torch
 
 from encoder_common.families import FAMILIES
 from gateway.handoff import HANDOFFS, ConnectorHandoff, InlineEmbedsHandoff, check_family
+from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver
-from receiver.fetch import lease_key
+from receiver.fetch import item_uuid, lease_key
+from receiver.result import EncodeResult, ItemResult
 from testkit.checkpoints import write_checkpoint
 from testkit.images import image_bytes
 from testkit.servers import running_server
@@ -22,12 +24,10 @@ from testkit.servers import running_server
 @pytest.mark.parametrize("handoff", HANDOFFS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_start_up_check_follows_the_registry(family, handoff):
-    """Inline needs an image_embeds form vLLM takes at any token count and the gateway builds; the connector
-    carries every family, Qwen3-VL's deepstack levels included."""
+    """Inline needs an image_embeds form vLLM takes at any token count (the gateway builds each); the
+    connector carries every family, Qwen3-VL's deepstack levels included."""
     taken = FAMILIES[family].vllm
-    refused = handoff == "inline" and (
-        taken.image_embeds not in ("grid", "tensor") or taken.equal_counts_only
-    )
+    refused = handoff == "inline" and (taken.image_embeds is None or taken.equal_counts_only)
     if refused:
         with pytest.raises(ValueError, match=f"family '{family}'.*connector"):
             check_family(family, handoff)
@@ -60,3 +60,26 @@ async def test_parts_for_families_vllm_sizes_from_the_image(tmp_path):
     assert part["type"] == "image_url" and lease_key(part["uuid"]) == leased.items[0].lease.key
     prefix, data = part["image_url"]["url"].split(",", 1)
     assert prefix.endswith(";base64") and base64.b64decode(data) == png
+
+
+async def test_parts_for_a_family_vllm_takes_with_its_image_size():
+    """MiniCPM-V 4.6: the encoder reports an item's image as loaded as the grid (1, height, width); inline,
+    the rows with `image_sizes` [width, height]; through the connector, the image beside the lease uuid (vLLM
+    0.32's 4.6 processor drops a metadata-only part)."""
+    family = FAMILIES["minicpmv4_6"]
+    rows = torch.randn(28, 8)
+    item = ItemResult(index=0, embedding=rows, grid_thw=(1, 250, 333), encoder_url="x")
+    (part,) = await InlineEmbedsHandoff().content_parts(
+        "inline", EncodeResult("inline", [item]), family=family, images=[b"png"]
+    )
+    embeds = part["image_embeds"]
+    assert part["type"] == "image_embeds" and embeds["image_sizes"] == [333, 250]
+    loaded = torch.load(io.BytesIO(base64.b64decode(embeds["image_embeds"])), weights_only=True)
+    assert torch.equal(loaded, rows)
+
+    item.lease = pb.LeaseGrant(key=bytes(32))
+    (part,) = await ConnectorHandoff(lease_ttl_s=30).content_parts(
+        "leased", EncodeResult("leased", [item]), family=family, images=[b"png"]
+    )
+    assert part["type"] == "image_url" and part["uuid"] == item_uuid(bytes(32))
+    assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == b"png"
