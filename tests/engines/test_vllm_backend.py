@@ -31,9 +31,9 @@ from testkit import REPO_ROOT
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.image_set import image_set
-from testkit.launcher import server_argv, start_process
+from testkit.launcher import server_argv
 from testkit.servers import running_server
-from testkit.vllm_server import ENGINES_PYTHON, engines_env
+from testkit.vllm_server import ENGINES_PYTHON, engines_env, start_vllm_encoder
 
 # Off the 28 px grid, thin, EXIF-rotated, transparent: what users send, through vLLM's loader and processor.
 IMAGES = (
@@ -44,7 +44,6 @@ IMAGES = (
     "png-rgba",
     "png-palette-trns",
 )
-START_TIMEOUT_S = 600.0  # vLLM's start-up on a shared 2-core machine
 VOCAB = 320  # the 256 byte tokens beside the special tokens at 250-255
 BIG_VOCAB = 600_000  # a ~300 MB language model (embeddings and head, fp32) beside the same ~0.2 MB tower
 ENGINE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "processor_config.json")
@@ -61,12 +60,8 @@ def _bench_module():
 
 
 def _launch(model_dir: Path, log_dir: Path):
-    """`encoder-server --backend vllm` from the engines' venv, float32, on 127.0.0.1; `ready_rss` is its
-    resident memory as it became ready."""
-    argv = [str(ENGINES_PYTHON), *server_argv(model_dir, "--backend", "vllm", "--dtype", "float32")[1:]]
-    server = start_process(
-        argv, log_dir / f"{model_dir.name}.log", env=engines_env(), timeout=START_TIMEOUT_S
-    )
+    """`encoder-server --backend vllm`, float32; `ready_rss` is its resident memory as it became ready."""
+    server = start_vllm_encoder(model_dir, log_dir / f"{model_dir.name}.log")
     server.ready_rss = _rss_bytes(server.process.pid)
     return server
 

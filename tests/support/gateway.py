@@ -43,9 +43,14 @@ async def running_gateway(engine_url: str | None, encoders: Sequence[str], **opt
         await runner.cleanup()
 
 
+# Where the families' checkpoints keep the vision side (tower, projector, LLaVA-NeXT's newline row): a tensor
+# whose name has one of these is zeroed in the copies below.
+VISION_WEIGHTS = ("visual.", "vision_tower.", "vision_model.", "multi_modal_projector.", "image_newline")
+
+
 def zeroed_tower_copy(model_dir: Path, copy_dir: Path) -> Path:
-    """A copy of the checkpoint with every vision-tower weight zeroed: an engine on it cannot see, so
-    it answers as vLLM alone does only when the embeddings come from elsewhere."""
+    """A copy of the checkpoint with every vision weight zeroed: an engine on it cannot see, so it answers
+    as vLLM alone does only when the embeddings come from elsewhere."""
     import shutil
 
     import torch
@@ -57,7 +62,7 @@ def zeroed_tower_copy(model_dir: Path, copy_dir: Path) -> Path:
 
     def zero_visual(tensors):
         for name in tensors:
-            if "visual" in name:
+            if any(part in name for part in VISION_WEIGHTS):
                 tensors[name] = torch.zeros_like(tensors[name])
                 zeroed.append(name)
         return tensors
