@@ -305,7 +305,11 @@ def gemma3(vocab_size: int, *, pan_and_scan: bool = False):
         pan_and_scan_max_num_crops=4,
         pan_and_scan_min_ratio_to_activate=1.2,
     )
-    return Gemma3ForConditionalGeneration(config), processor
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers initializes the projection to zeros: images would then change no answer and every image's
+    # features would be zeros. Random, as a trained checkpoint's (seeded by write_checkpoint).
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    return model, processor
 
 
 
@@ -355,7 +359,11 @@ def idefics3(vocab_size: int):
             patch_size=14,
             image_size=tile,
         ),
-        text_config=dict(model_type="llama", **_text_config(TEXT_HIDDEN, vocab_size, head_dim=32)),
+        # Llama's default 2048 positions would refuse the engine tests' max_model_len of 4096
+        text_config=dict(
+            model_type="llama",
+            **_text_config(TEXT_HIDDEN, vocab_size, head_dim=32, max_position_embeddings=4096),
+        ),
         image_token_id=_TOKENS["image_token_id"],
         scale_factor=2,
         pad_token_id=_SPECIAL["pad_token_id"],

@@ -18,6 +18,7 @@ from encoder_common.families import BY_MODEL_TYPE
 from gateway.handoff import check_family
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
+from testkit.image_set import image_set
 from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm, start_vllm_encoder
 from tests.support.gateway import (
@@ -47,15 +48,22 @@ class Served:
 
 # model type -> how it is served. vLLM 0.32 runs Qwen3.5's Gated DeltaNet layers on CPU in bfloat16 only
 # ("CPU GDN attention requires BF16."), and refuses a Qwen3.5 without them ("no mamba layers in the model").
-MODEL_TYPES = {"qwen3_5": Served(torch.bfloat16)}
+MODEL_TYPES = {
+    "qwen3_5": Served(torch.bfloat16),
+    "gemma3": Served(torch.float32),
+    "mistral3": Served(torch.float32, "vllm"),
+    "idefics3": Served(torch.float32, "vllm"),
+}
 # Largest logprob difference allowed: float32 as the other engine tests; bfloat16, where our tower and
 # vLLM's round differently (measured: 4e-3 to 8e-3 on 2026-12-03), a margin over that.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-# Every request's images: sizes off every grid, one, two and three images in a request.
+# Every request's images: sizes off every grid, one, two and three images in a request, and files as users send
+# them (transparency, an EXIF rotation) beside each other.
 CASES = {
     "1": images([(333, 250)], seed=41),
     "2": images([(200, 150), (97, 301)], seed=42),
     "3": images([(128, 128), (451, 120), (64, 77)], seed=44),
+    "files": [image_set()[name] for name in ("png-rgba", "jpeg-exif-rotated", "webp-alpha")],
 }
 
 
