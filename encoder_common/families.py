@@ -22,16 +22,24 @@ class VllmInput:
     `sized_without_image`: vLLM sizes the image's placeholders from the embedding part's metadata
     (`allow_missing_mm_embeddings`); otherwise a connector hand-off sends the raw image beside the uuid,
     for vLLM's processor to size them, and the tower still does not run.
+    `equal_counts_only`: vLLM validates an encoder batch of the family's `image_embeds` as one stacked tensor
+    (`TensorShape("bn", "ifs", "hs")`): images of different token counts in one batch, of one request or
+    of several, raise "data contains inconsistent shapes" in its engine core, which then stops; the
+    inline hand-off cannot carry such a family.
     """
 
     image_embeds: str | None
     sized_without_image: bool
+    equal_counts_only: bool = False
 
 
 # vLLM's Qwen-VL input: image_embeds with its grid, placeholders sized from the grid.
 QWEN_GRID = VllmInput(image_embeds="grid", sized_without_image=True)
-# LLaVA, LLaVA-NeXT/OneVision, InternVL: a plain tensor inline; placeholders sized from the image.
+# LLaVA: a plain tensor inline (a fixed token count); placeholders sized from the image.
 PLAIN_TENSOR = VllmInput(image_embeds="tensor", sized_without_image=False)
+# LLaVA-NeXT/OneVision, InternVL: a plain tensor, but a count per image size, which vLLM 0.32 cannot batch;
+# the connector hand-off with the image.
+TILED_TENSOR = VllmInput(image_embeds="tensor", sized_without_image=False, equal_counts_only=True)
 # Gemma 3, Mistral 3, Idefics 3, GLM-4.xV: no image_embeds; the connector hand-off with the image.
 IMAGE_ONLY = VllmInput(image_embeds=None, sized_without_image=False)
 # MiniCPM-V: image_embeds with its image sizes, placeholders sized from them.
@@ -62,9 +70,9 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3_vl", "qwen_vl.QwenVL", QWEN_GRID, moe=True),
         Family("qwen3_5", "qwen_vl.QwenVL", QWEN_GRID, moe=True),
         Family("llava", "llava.Llava", PLAIN_TENSOR),
-        Family("llava_next", "llava_next.LlavaNext", PLAIN_TENSOR),
-        Family("llava_onevision", "llava_next.LlavaNext", PLAIN_TENSOR),
-        Family("internvl", "internvl.InternVL", PLAIN_TENSOR),
+        Family("llava_next", "llava_next.LlavaNext", TILED_TENSOR),
+        Family("llava_onevision", "llava_next.LlavaNext", TILED_TENSOR),
+        Family("internvl", "internvl.InternVL", TILED_TENSOR),
         Family("gemma3", "gemma3.Gemma3", IMAGE_ONLY),
         Family("mistral3", None, IMAGE_ONLY),
         Family("glm4v", None, IMAGE_ONLY, moe=True),

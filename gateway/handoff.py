@@ -39,6 +39,13 @@ def check_family(family: str, handoff: str) -> None:
             f"the encoders serve family {family!r}, whose image_embeds vLLM refuses: the inline hand-off cannot "
             "carry it; the connector hand-off (--handoff connector) is the one for it"
         )
+    if handoff == "inline" and taken.equal_counts_only:
+        raise ValueError(
+            f"the encoders serve family {family!r}, whose image_embeds vLLM batches only at one token count per "
+            "image, and this family's count varies with the image size (a batch of two sizes stops vLLM's engine "
+            "core): the inline hand-off cannot carry it; the connector hand-off (--handoff connector) is the one "
+            "for it"
+        )
     if handoff == "inline" and taken.image_embeds not in INLINE_FORMS:
         raise ValueError(
             f"the encoders serve family {family!r}, which vLLM takes as image_embeds {taken.image_embeds!r}; "

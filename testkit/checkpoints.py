@@ -38,6 +38,11 @@ def _text_config(hidden_size: int, vocab_size: int, **extra) -> dict:
     )
 
 
+# Two heads of 32 for the language models vLLM serves in the engine tests: its CPU attention runs head size
+# 32 and refuses the 16 of four heads ("Unsupported CPU attention configuration: head_dim=16").
+_CPU_HEADS = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=TEXT_HIDDEN // 2)
+
+
 def _mrope(hidden_size: int) -> dict:
     half = hidden_size // 4 // 2  # head_dim / 2 with 4 heads, split over t, h, w
     return {
@@ -213,7 +218,11 @@ def llava_next(vocab_size: int):
 
     config = LlavaNextConfig(
         vision_config=_clip_tower(56),
-        text_config=dict(model_type="llama", **_text_config(TEXT_HIDDEN, vocab_size)),
+        # 4096 positions: the engine tests' --max-model-len (Llama's default is 2048)
+        text_config=dict(
+            model_type="llama",
+            **_text_config(TEXT_HIDDEN, vocab_size, max_position_embeddings=4096, **_CPU_HEADS),
+        ),
         image_token_index=_TOKENS["image_token_id"],
         image_grid_pinpoints=_PINPOINTS,
         image_seq_length=16,
@@ -235,7 +244,7 @@ def llava_onevision(vocab_size: int):
 
     config = LlavaOnevisionConfig(
         vision_config=_clip_tower(56, "siglip_vision_model"),
-        text_config=dict(model_type="qwen2", **_text_config(TEXT_HIDDEN, vocab_size)),
+        text_config=dict(model_type="qwen2", **_text_config(TEXT_HIDDEN, vocab_size, **_CPU_HEADS)),
         image_token_index=_TOKENS["image_token_id"],
         video_token_index=_TOKENS["video_token_id"],
         image_grid_pinpoints=_PINPOINTS,
@@ -264,7 +273,7 @@ def internvl(vocab_size: int):
             image_size=[56, 56],
             patch_size=[14, 14],
         ),
-        text_config=dict(model_type="qwen2", **_text_config(TEXT_HIDDEN, vocab_size)),
+        text_config=dict(model_type="qwen2", **_text_config(TEXT_HIDDEN, vocab_size, **_CPU_HEADS)),
         image_token_id=_TOKENS["image_token_id"],
         image_seq_length=4,
         **_SPECIAL,
@@ -396,6 +405,14 @@ BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, object]]] = {
 }
 
 
+# Families whose tensors transformers saves under other names than their real checkpoints: it writes a CLIP
+# or SigLIP tower without the `vision_model.` level that the Hub's checkpoints (and vLLM's loader) have.
+REAL_PREFIXES: dict[str, dict[str, str]] = {
+    "llava_next": {"vision_tower.": "vision_tower.vision_model."},
+    "llava_onevision": {"vision_tower.": "vision_tower.vision_model."},
+}
+
+
 def model_types() -> list[str]:
     """Every model type the transformers backend serves, each of which `write_checkpoint` writes."""
     from encoder_common.families import FAMILIES
@@ -425,6 +442,8 @@ def write_checkpoint(
     model = model.to(dtype).eval()
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **kwargs)
+    if name in REAL_PREFIXES:
+        rename_prefixes(out_dir, REAL_PREFIXES[name])
     processor.save_pretrained(out_dir)
     return out_dir
 

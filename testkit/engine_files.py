@@ -55,6 +55,68 @@ QWEN = ChatFormat(
     pad="<|endoftext|>",
 )
 
+# The Qwen2 language model's turn markers and pad, which InternVL 3/3.5 and LLaVA-OneVision keep.
+QWEN2_TEXT = {"<|im_start|>": "bos_token_id", "<|im_end|>": "eos_token_id", "<|endoftext|>": "pad_token_id"}
+
+# InternVL (Hugging Face format): `<IMG_CONTEXT>` per image, which the processor expands to
+# `<img>` + one `<IMG_CONTEXT>` per token + `</img>`; the processor finds the three by the tokenizer's names.
+INTERNVL = ChatFormat(
+    specials={
+        "<IMG_CONTEXT>": "image_token_id",
+        "<img>": None,
+        "</img>": None,
+        "<video>": None,
+        **QWEN2_TEXT,
+    },
+    image="<IMG_CONTEXT>\n",
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    named={
+        "context_image_token": "<IMG_CONTEXT>",
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "video_token": "<video>",
+    },
+    # tokens per tile: the tile's patch grid after the pixel shuffle
+    processor=lambda config: {"image_seq_length": config["image_seq_length"]},
+)
+
+# LLaVA-NeXT: `<image>` per image, expanded by the processor to the AnyRes count, which it computes from
+# the patch size, the feature strategy and the CLS token CLIP adds.
+LLAVA_NEXT = ChatFormat(
+    specials={
+        "<image>": "image_token_index",
+        "<s>": "bos_token_id",
+        "</s>": "eos_token_id",
+        "<pad>": "pad_token_id",
+    },
+    image="<image>\n",
+    eos="</s>",
+    pad="<pad>",
+    turn=("<s>", "</s>"),
+    processor=lambda config: {
+        "patch_size": config["vision_config"]["patch_size"],
+        "vision_feature_select_strategy": config["vision_feature_select_strategy"],
+        "num_additional_image_tokens": 1,
+    },
+)
+
+# LLaVA-OneVision: as LLaVA-NeXT on a Qwen2 language model; its processor counts from the tokens of one
+# tile (SigLIP: no CLS token).
+LLAVA_ONEVISION = ChatFormat(
+    specials={"<image>": "image_token_index", "<video>": "video_token_index", **QWEN2_TEXT},
+    image="<image>\n",
+    video="<video>\n",
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    processor=lambda config: {
+        "num_image_tokens": (config["vision_config"]["image_size"] // config["vision_config"]["patch_size"])
+        ** 2,
+        "vision_feature_select_strategy": config["vision_feature_select_strategy"],
+        "vision_aspect_ratio": config["vision_aspect_ratio"],
+    },
+)
+
 # Gemma 3: each image as its begin-of-image token, which the processor expands into the image's blocks between
 # "\n\n"s; vLLM's Gemma 3 processor looks up the runs of 1 to 4 newlines by their text (Gemma's vocab has each
 # as one token), so they are tokens here too.
@@ -129,6 +191,9 @@ CHAT_FORMATS: dict[str, ChatFormat] = {
     "qwen2_5_vl": QWEN,
     "qwen3_vl": QWEN,
     "qwen3_5": QWEN,
+    "internvl": INTERNVL,
+    "llava_next": LLAVA_NEXT,
+    "llava_onevision": LLAVA_ONEVISION,
     "gemma3": GEMMA3,
     "mistral3": MISTRAL3,
     "idefics3": IDEFICS3,

@@ -29,6 +29,15 @@ _TOWER_LAYOUTS = [
     },
     {"vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."},
 ]
+# The same three layouts from a checkpoint written in the Hub's layout (testkit.checkpoints.REAL_PREFIXES).
+_HUB_TOWER_LAYOUTS = [
+    {"vision_tower.vision_model.": "vision_tower."},
+    {"vision_tower.": "model.vision_tower.", "multi_modal_projector.": "model.multi_modal_projector."},
+    {
+        "vision_tower.vision_model.": "model.vision_tower.",
+        "multi_modal_projector.": "model.multi_modal_projector.",
+    },
+]
 
 
 def other_layouts(model_dir) -> list[dict[str, str]]:
@@ -37,6 +46,8 @@ def other_layouts(model_dir) -> list[dict[str, str]]:
         return [{"visual.": "model.visual."}]
     if any(name.startswith("model.visual.") for name in names):
         return [{"model.visual.": "visual."}]
+    if any(name.startswith("vision_tower.vision_model.") for name in names):
+        return _HUB_TOWER_LAYOUTS
     return _TOWER_LAYOUTS
 
 

@@ -1,9 +1,9 @@
 """encoder-gateway -> vLLM 0.32 for the families beyond the Qwen-VL ones that tests/test_gateway_engine*.py and
 tests/engines/test_vllm_connector.py cover: a vLLM whose vision weights are zeros, fed by our encoders, answers as
 vLLM alone given the same bytes (same token ids and top logprobs within a tolerance of the served dtype,
-greedy), through the connector hand-off and, where vLLM takes the family's `image_embeds`, the inline one, on
-images off every grid, several in one request. The inline hand-off's start-up refusal of the other families
-is tests/gateway/test_gateway.py's."""
+greedy), through the connector hand-off and, where encoder-gateway takes the family inline (its start-up
+check, from encoder_common/families.py), the inline one, on images users send, several in one request. The
+start-up refusal of the other families is tests/gateway/test_handoff_families.py's and test_gateway.py's."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from tests.support.gateway import (
     chat_request,
     complete,
     image_part,
-    images,
     logprob_gap,
     running_gateway,
     zeroed_tower_copy,
@@ -50,6 +49,9 @@ class Served:
 # ("CPU GDN attention requires BF16."), and refuses a Qwen3.5 without them ("no mamba layers in the model").
 MODEL_TYPES = {
     "qwen3_5": Served(torch.bfloat16),
+    "internvl": Served(torch.float32),
+    "llava_next": Served(torch.float32),
+    "llava_onevision": Served(torch.float32),
     "gemma3": Served(torch.float32),
     "mistral3": Served(torch.float32, "vllm"),
     "idefics3": Served(torch.float32, "vllm"),
@@ -57,13 +59,16 @@ MODEL_TYPES = {
 # Largest logprob difference allowed: float32 as the other engine tests; bfloat16, where our tower and
 # vLLM's round differently (measured: 4e-3 to 8e-3 on 2026-12-03), a margin over that.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-# Every request's images: sizes off every grid, one, two and three images in a request, and files as users send
-# them (transparency, an EXIF rotation) beside each other.
+# Every request's images, as users send them: off every grid, transparent (RGBA, palette with a transparent
+# index), EXIF-rotated, tiny, long and thin; one and three images in a request, of one size and of
+# several (which give several token counts).
 CASES = {
-    "1": images([(333, 250)], seed=41),
-    "2": images([(200, 150), (97, 301)], seed=42),
-    "3": images([(128, 128), (451, 120), (64, 77)], seed=44),
-    "files": [image_set()[name] for name in ("png-rgba", "jpeg-exif-rotated", "webp-alpha")],
+    name: [image_set()[image] for image in names]
+    for name, names in {
+        "off-grid": ["size-333x250"],
+        "alpha-exif": ["png-rgba", "jpeg-exif-rotated", "png-palette-trns"],
+        "sizes": ["size-28x28", "size-2000x57-wide", "size-31x1500-thin"],
+    }.items()
 }
 
 
@@ -150,7 +155,9 @@ async def consumer(model_dir, dtype, reference, encoders, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 async def test_same_tokens_as_vllm_alone(model_type, dtype, reference, encoders, consumer, handoff, case):
     if handoff not in handoffs(model_type):
-        pytest.skip(f"vLLM takes no image_embeds of {model_type}: the gateway refuses it inline at start-up")
+        pytest.skip(
+            f"encoder-gateway refuses {model_type} inline at start-up (tests/gateway/test_handoff_families.py)"
+        )
     async with (
         running_gateway(consumer.url, encoders, handoff=handoff) as url,
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session,
@@ -158,7 +165,7 @@ async def test_same_tokens_as_vllm_alone(model_type, dtype, reference, encoders,
         got = await complete(session, url, chat_request(MODEL, [image_part(p) for p in CASES[case]]))
     difference = logprob_gap(got, reference[case])
     print(
-        f"\n{model_type} ({dtype}), {case} images, {handoff}: {len(got)} tokens equal, largest gap {difference:.2e}"
+        f"\n{model_type} ({dtype}), {case}, {handoff}: {len(got)} tokens equal, largest gap {difference:.2e}"
     )
     assert difference <= TOLERANCE[dtype]
 
@@ -172,5 +179,7 @@ async def test_the_zeroed_tower_alone_answers_otherwise(model_type, dtype, refer
             try:
                 difference = logprob_gap(got, reference[case])
             except AssertionError:  # other token ids
+                print(f"\n{model_type}, {case}, zeroed tower: other token ids")
                 continue
+            print(f"\n{model_type}, {case}, zeroed tower: largest gap {difference:.2e}")
             assert difference > TOLERANCE[dtype], (model_type, case, difference)

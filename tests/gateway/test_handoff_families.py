@@ -22,9 +22,12 @@ from testkit.servers import running_server
 @pytest.mark.parametrize("handoff", HANDOFFS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_start_up_check_follows_the_registry(family, handoff):
-    """Inline needs an image_embeds form vLLM takes and the gateway builds; the connector carries every
-    family (deepstack aside, which gateway/app.py refuses from ModelInfo)."""
-    refused = handoff == "inline" and FAMILIES[family].vllm.image_embeds not in ("grid", "tensor")
+    """Inline needs an image_embeds form vLLM takes at any token count and the gateway builds; the connector
+    carries every family (deepstack aside, which gateway/app.py refuses from ModelInfo)."""
+    taken = FAMILIES[family].vllm
+    refused = handoff == "inline" and (
+        taken.image_embeds not in ("grid", "tensor") or taken.equal_counts_only
+    )
     if refused:
         with pytest.raises(ValueError, match=f"family '{family}'.*connector"):
             check_family(family, handoff)
