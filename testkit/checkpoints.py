@@ -321,7 +321,6 @@ def gemma3(vocab_size: int, *, pan_and_scan: bool = False):
     return model, processor
 
 
-
 def mistral3(vocab_size: int):
     """Mistral 3 (Mistral Small 3.x, Pixtral in the Hugging Face format): a Pixtral tower at the image's own
     size (up to 1540 px in the real ones; here 224), patch 14, 2x2 patches merged into one row, each row of
@@ -347,7 +346,9 @@ def mistral3(vocab_size: int):
         vision_feature_layer=-1,
         tie_word_embeddings=False,
     )
-    processor = PixtralImageProcessorPil(size={"longest_edge": longest_edge}, patch_size={"height": 14, "width": 14})
+    processor = PixtralImageProcessorPil(
+        size={"longest_edge": longest_edge}, patch_size={"height": 14, "width": 14}
+    )
     return Mistral3ForConditionalGeneration(config), processor
 
 
@@ -410,6 +411,7 @@ BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, object]]] = {
 REAL_PREFIXES: dict[str, dict[str, str]] = {
     "llava_next": {"vision_tower.": "vision_tower.vision_model."},
     "llava_onevision": {"vision_tower.": "vision_tower.vision_model."},
+    "gemma3": {"vision_tower.": "vision_tower.vision_model."},
 }
 
 

@@ -135,7 +135,11 @@ GEMMA3 = ChatFormat(
     eos="<end_of_turn>",
     pad="<pad>",
     turn=("<start_of_turn>", "<end_of_turn>"),
-    named={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    named={
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    },
     processor=lambda config: {"image_seq_length": config["mm_tokens_per_image"]},
 )
 
@@ -302,23 +306,4 @@ def write_engine_files(model_dir: str | Path) -> Path:
     (model_dir / "processor_config.json").write_text(
         json.dumps({"processor_class": processor_class, **form.processor(config)}, indent=2) + "\n"
     )
-    _publish_tower_layout(model_dir, config)
     return model_dir
-
-
-# Vision configs of the CLIP / SigLIP towers whose wrapper level (`vision_model.`) transformers 5.x leaves out
-# when it saves, and which published checkpoints and vLLM's loaders have.
-_WRAPPED_TOWERS = ("clip_vision_model", "siglip_vision_model")
-
-
-def _publish_tower_layout(model_dir: Path, config: dict) -> None:
-    """Stores a CLIP / SigLIP `vision_tower.*` as published checkpoints do, under `vision_tower.vision_model.*`:
-    vLLM 0.32 reads that layout only ("There is no module or parameter named 'vision_tower.embeddings' in
-    Gemma3ForConditionalGeneration"); the encoder server reads both."""
-    from testkit.checkpoints import rename_prefixes, tensor_names
-
-    if config.get("vision_config", {}).get("model_type") not in _WRAPPED_TOWERS:
-        return
-    if any(name.startswith("vision_tower.vision_model.") for name in tensor_names(model_dir)):
-        return
-    rename_prefixes(model_dir, {"vision_tower.": "vision_tower.vision_model."})
