@@ -304,7 +304,8 @@ def gemma3(vocab_size: int, *, pan_and_scan: bool = False):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    text = _text_config(TEXT_HIDDEN, vocab_size, head_dim=TEXT_HIDDEN // 4, sliding_window=64)
+    # head_dim 32: vLLM's CPU attention runs no head size below it
+    text = _text_config(TEXT_HIDDEN, vocab_size, head_dim=32, sliding_window=64)
     config = Gemma3Config(
         vision_config=_clip_tower(56, "siglip_vision_model"),
         text_config=dict(model_type="gemma3_text", **text),
@@ -322,7 +323,79 @@ def gemma3(vocab_size: int, *, pan_and_scan: bool = False):
         pan_and_scan_max_num_crops=4,
         pan_and_scan_min_ratio_to_activate=1.2,
     )
-    return Gemma3ForConditionalGeneration(config), processor
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers initializes the projection to zeros: images would then change no answer and every image's
+    # features would be zeros. Random, as a trained checkpoint's (seeded by write_checkpoint).
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    return model, processor
+
+
+def mistral3(vocab_size: int):
+    """Mistral 3 (Mistral Small 3.x, Pixtral in the Hugging Face format): a Pixtral tower at the image's own
+    size (up to 1540 px in the real ones; here 224), patch 14, 2x2 patches merged into one row, each row of
+    rows ended by a break token in the prompt."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    longest_edge = 224
+    config = Mistral3Config(
+        vision_config=dict(
+            model_type="pixtral",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            patch_size=14,
+            image_size=longest_edge,
+        ),
+        # head_dim 32: vLLM's CPU attention runs no head size below it
+        text_config=dict(model_type="mistral", **_text_config(TEXT_HIDDEN, vocab_size, head_dim=32)),
+        image_token_index=_TOKENS["image_token_id"],
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    processor = PixtralImageProcessorPil(
+        size={"longest_edge": longest_edge}, patch_size={"height": 14, "width": 14}
+    )
+    return Mistral3ForConditionalGeneration(config), processor
+
+
+def idefics3(vocab_size: int):
+    """Idefics 3 / SmolVLM: a SigLIP tower on fixed square tiles of the image (a grid of them, then the whole
+    image shrunk to one), each tile's patches pixel-shuffled by `scale_factor` into 4 rows here (81 to 169 in
+    the real ones)."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tile = 56
+    config = Idefics3Config(
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            patch_size=14,
+            image_size=tile,
+        ),
+        # Llama's default 2048 positions would refuse the engine tests' max_model_len of 4096
+        text_config=dict(
+            model_type="llama",
+            **_text_config(TEXT_HIDDEN, vocab_size, head_dim=32, max_position_embeddings=4096),
+        ),
+        image_token_id=_TOKENS["image_token_id"],
+        scale_factor=2,
+        pad_token_id=_SPECIAL["pad_token_id"],
+        tie_word_embeddings=False,
+    )
+    processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 4 * tile},  # a grid of up to 4x4 tiles, as SmolVLM's 4 x 384 px
+        max_image_size={"longest_edge": tile},
+        do_image_splitting=True,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+    )
+    return Idefics3ForConditionalGeneration(config), processor
 
 
 def glm4v(vocab_size: int, *, moe: bool = False):
@@ -407,6 +480,8 @@ BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, object]]] = {
     "gemma3": gemma3,
     "glm4v": glm4v,
     "minicpmv4_6": minicpmv4_6,
+    "mistral3": mistral3,
+    "idefics3": idefics3,
 }
 
 
@@ -415,14 +490,7 @@ BUILDERS: dict[str, Callable[..., tuple[torch.nn.Module, object]]] = {
 REAL_PREFIXES: dict[str, dict[str, str]] = {
     "llava_next": {"vision_tower.": "vision_tower.vision_model."},
     "llava_onevision": {"vision_tower.": "vision_tower.vision_model."},
-}
-
-
-# Families whose tensors transformers saves under other names than their real checkpoints: it writes a CLIP
-# or SigLIP tower without the `vision_model.` level that the Hub's checkpoints (and vLLM's loader) have.
-REAL_PREFIXES: dict[str, dict[str, str]] = {
-    "llava_next": {"vision_tower.": "vision_tower.vision_model."},
-    "llava_onevision": {"vision_tower.": "vision_tower.vision_model."},
+    "gemma3": {"vision_tower.": "vision_tower.vision_model."},
 }
 
 

@@ -170,6 +170,78 @@ MINICPMV4_6 = ChatFormat(
     },
 )
 
+# Gemma 3: each image as its begin-of-image token, which the processor expands into the image's blocks between
+# "\n\n"s; vLLM's Gemma 3 processor looks up the runs of 1 to 4 newlines by their text (Gemma's vocab has each
+# as one token), so they are tokens here too.
+GEMMA3 = ChatFormat(
+    specials={
+        "<image_soft_token>": "image_token_index",
+        "<start_of_image>": "boi_token_index",
+        "<end_of_image>": "eoi_token_index",
+        "<bos>": "bos_token_id",
+        "<end_of_turn>": "eos_token_id",
+        "<pad>": "pad_token_id",
+        "<start_of_turn>": None,
+        **{"\n" * n: None for n in range(1, 5)},
+    },
+    image="<start_of_image>",
+    eos="<end_of_turn>",
+    pad="<pad>",
+    turn=("<start_of_turn>", "<end_of_turn>"),
+    named={
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    },
+    processor=lambda config: {"image_seq_length": config["mm_tokens_per_image"]},
+)
+
+# Mistral 3 (Pixtral): each image as one [IMG], which the processor expands into rows of [IMG] ended by
+# [IMG_BREAK], the last by [IMG_END]; the processor needs the tower's patch size and the merge.
+MISTRAL3 = ChatFormat(
+    specials={
+        "[IMG]": "image_token_index",
+        "<s>": "bos_token_id",
+        "</s>": "eos_token_id",
+        "<pad>": "pad_token_id",
+        "[IMG_BREAK]": None,
+        "[IMG_END]": None,
+        "[INST]": None,
+        "[/INST]": None,
+    },
+    image="[IMG]",
+    eos="</s>",
+    pad="<pad>",
+    turn=("[INST]", "[/INST]"),
+    processor=lambda config: {
+        "patch_size": config["vision_config"]["patch_size"],
+        "spatial_merge_size": config["spatial_merge_size"],
+    },
+)
+
+# Idefics 3 / SmolVLM: each image as one <image>, which the processor expands into its tiles, each behind
+# <fake_token_around_image> and its <row_i_col_j> (the whole image behind <global-img>), image_seq_len
+# <image> tokens a tile.
+IDEFICS3 = ChatFormat(
+    specials={
+        "<image>": "image_token_id",
+        "<|im_start|>": "bos_token_id",
+        "<end_of_utterance>": "eos_token_id",
+        "<|endoftext|>": "pad_token_id",
+        "<fake_token_around_image>": None,
+        "<global-img>": None,
+        **{f"<row_{row}_col_{column}>": None for row in range(1, 7) for column in range(1, 7)},
+    },
+    image="<image>",
+    eos="<end_of_utterance>",
+    pad="<|endoftext|>",
+    turn=("<|im_start|>", "<end_of_utterance>"),
+    processor=lambda config: {
+        "image_seq_len": (config["vision_config"]["image_size"] // config["vision_config"]["patch_size"]) ** 2
+        // config["scale_factor"] ** 2
+    },
+)
+
 # family (encoder_common/families.py) -> its chat format
 CHAT_FORMATS: dict[str, ChatFormat] = {
     "qwen2_vl": QWEN,
@@ -181,6 +253,9 @@ CHAT_FORMATS: dict[str, ChatFormat] = {
     "internvl": INTERNVL,
     "llava_next": LLAVA_NEXT,
     "llava_onevision": LLAVA_ONEVISION,
+    "gemma3": GEMMA3,
+    "mistral3": MISTRAL3,
+    "idefics3": IDEFICS3,
 }
 
 

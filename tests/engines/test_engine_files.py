@@ -50,7 +50,7 @@ def test_written_the_same_every_time(default_model_dir, tmp_path):
         assert (copy / name).read_bytes() == (default_model_dir / name).read_bytes(), name
 
 
-@pytest.mark.parametrize("model_type", ["internvl", "llava_next", "llava_onevision"])
+@pytest.mark.parametrize("model_type", ["internvl", "llava_next", "llava_onevision", "gemma3"])
 def test_the_processor_vllm_calls_expands_each_image_to_our_encoders_rows(model_type, tmp_path):
     """Another family's format: its specials at the config's ids or the ids left free, every id decodes, and
     the processor engines call (loaded from the written files) gives an image as many image tokens as our

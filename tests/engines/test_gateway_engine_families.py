@@ -57,6 +57,9 @@ MODEL_TYPES = {
     "internvl": Served(torch.float32),
     "llava_next": Served(torch.float32),
     "llava_onevision": Served(torch.float32),
+    "gemma3": Served(torch.float32),
+    "mistral3": Served(torch.float32, "vllm"),
+    "idefics3": Served(torch.float32, "vllm"),
     "glm4v": Served(torch.float32, "vllm"),
     "minicpmv4_6": Served(
         torch.bfloat16,
