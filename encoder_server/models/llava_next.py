@@ -3,7 +3,7 @@ SigLIP tower and the projector; the tiles' features are unpadded to the image's 
 of them ends with the learned `image_newline` (OneVision pools them down past `anyres_max_9`).
 
 An image's token count depends on its size, tile grid and the packing: the model's own
-`pack_image_features` counts it, run on shapes only (meta tensors), before the forward. Each item's
+`pack_image_features` counts it, run on one channel of zeros, before the forward. Each item's
 grid_thw is (tiles, rows, columns) of the tower's patch grid per tile; ModelInfo's spatial_merge_size
 is 0, since the token count is not the grid's.
 """
@@ -81,9 +81,11 @@ class LlavaNext(Tower):
         )
 
     def count_tokens(self, tiles: int, image_sizes: torch.Tensor) -> int:
-        """The image's token count as the model's own packing makes it, computed on shapes only."""
-        shapes = torch.empty((tiles, self.tile_side**2, 1), device="meta")
-        newline = torch.empty(1, device="meta")
+        """The image's token count as the model's own packing makes it, on one channel instead of the features."""
+        # One channel of real (CPU) zeros: the packing's interpolation runs its C++ kernel on a few KiB, where
+        # on meta tensors it would go through torch's Python decomposition (~6 ms an image).
+        shapes = torch.zeros((tiles, self.tile_side**2, 1))
+        newline = torch.zeros(1)
         if self.config.model_type == "llava_onevision":
             packed, _ = self.tower.pack_image_features(
                 [shapes],
