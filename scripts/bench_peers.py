@@ -237,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.rates = args.rates.split(",")
     work = args.out or Path(tempfile.mkdtemp(prefix="bench-peers-"))
-    (work / "logs").mkdir(parents=True, exist_ok=True)
-    (work / "results").mkdir(exist_ok=True)
-    driver, reports = Driver(work), {}
+    reports = {}
     for tower in ("tiny", "real") if args.tower == "both" else (args.tower,):
+        tower_work = work / tower  # its model, logs, result files and EPD storage
+        (tower_work / "logs").mkdir(parents=True, exist_ok=True)
+        (tower_work / "results").mkdir(exist_ok=True)
         dtype = "bfloat16" if args.device == "cuda" else "float32"
-        ctx = Context(tower_model(tower, args.device, work), work, args.device, dtype)
+        ctx = Context(tower_model(tower, args.device, tower_work), tower_work, args.device, dtype)
+        driver = Driver(tower_work)
         report = reports[tower] = {}
         for name in args.configurations.split(","):
             began = time.monotonic()
