@@ -119,13 +119,13 @@ def vllm_reference(qwen_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
     """Each image's embedding as vLLM's own in-process path computes it from the bytes (a full `LLM`)."""
     bench = _bench_module()
     tmp = tmp_path_factory.mktemp("vllm-reference")
-    worker = bench.VllmWorker(str(ENGINES_PYTHON), qwen_dir, threads=1)
+    worker = bench.VllmWorker(str(ENGINES_PYTHON), qwen_dir, "float32", threads=1)
     embeddings = {}
     try:
         for name in IMAGES:
             (tmp / name).write_bytes(image_set()[name])
             worker.run(tmp / name, embedding_out=tmp / f"{name}.pt")
-            embeddings[name] = torch.load(tmp / f"{name}.pt")
+            embeddings[name] = torch.cat(torch.load(tmp / f"{name}.pt"))  # the worker saves one tensor per output
     finally:
         worker.close()
     return embeddings
