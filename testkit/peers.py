@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testkit import REPO_ROOT
-from testkit.launcher import server_argv, start_process
+from testkit.launcher import launch_server
 from testkit.sglang_server import language_only_args, launch_sglang
 from testkit.vllm_server import connector_transfer_config, free_port, launch_vllm, serving
 
@@ -52,16 +52,16 @@ class Context:
 
     @property
     def vllm_flags(self) -> list[str]:
-        return [*VLLM_FLAGS, "--dtype", self.dtype, *(["--device", "cuda"] if self.device == "cuda" else [])]
+        return [*VLLM_FLAGS, *self._served_as]
 
     @property
     def sglang_flags(self) -> list[str]:
-        return [
-            *SGLANG_FLAGS,
-            "--dtype",
-            self.dtype,
-            *(["--device", "cuda"] if self.device == "cuda" else []),
-        ]
+        return [*SGLANG_FLAGS, *self._served_as]
+
+    @property
+    def _served_as(self) -> list[str]:
+        """Every engine's dtype and device flags (both take the same)."""
+        return ["--dtype", self.dtype, *(["--device", "cuda"] if self.device == "cuda" else [])]
 
 
 # ------------------------------------------------------------------------------------------- configurations
@@ -79,11 +79,10 @@ def _process(argv: list[str], url: str, log: Path, name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _our_encoder(ctx: Context, name: str) -> Iterator[tuple[str, Callable[[], int]]]:
+def _our_encoder(ctx: Context) -> Iterator[tuple[str, Callable[[], int]]]:
     """One encoder-server process of this checkout: its URL, and the images it has encoded (its metrics)."""
     metrics_port = free_port()
     flags = ("--dtype", ctx.dtype, "--device", ctx.device, "--metrics-port", str(metrics_port))
-    encoder = start_process(server_argv(ctx.model_dir, *flags), ctx.log(name), timeout=600)
 
     def encoded() -> int:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
@@ -92,10 +91,8 @@ def _our_encoder(ctx: Context, name: str) -> Iterator[tuple[str, Callable[[], in
             int(float(line.split()[-1])) for line in lines if line.startswith("encoder_batch_items_sum")
         )
 
-    try:
+    with launch_server(ctx.model_dir, *flags, log_dir=ctx.work / "logs", timeout=600) as encoder:
         yield encoder.url, encoded
-    finally:
-        encoder.stop()
 
 
 @contextlib.contextmanager
@@ -130,7 +127,7 @@ def vllm_epd(ctx: Context) -> Iterator[Running]:
 def ours_vllm(handoff: str) -> Callable:
     @contextlib.contextmanager
     def start(ctx: Context) -> Iterator[Running]:
-        with _our_encoder(ctx, f"encoder-{handoff}") as (encoder, encoded):
+        with _our_encoder(ctx) as (encoder, encoded):
             flags = [*ctx.vllm_flags, "--ec-transfer-config", connector_transfer_config([encoder])]
             log = ctx.log(f"vllm-{handoff}")
             with launch_vllm(ctx.model_dir, log_path=log, max_images=MAX_IMAGES, extra_args=flags) as engine:
@@ -165,7 +162,7 @@ def sglang_epd(ctx: Context) -> Iterator[Running]:
 
 @contextlib.contextmanager
 def ours_sglang(ctx: Context) -> Iterator[Running]:
-    with _our_encoder(ctx, "encoder-sglang") as (encoder, encoded):
+    with _our_encoder(ctx) as (encoder, encoded):
         args, env = language_only_args([encoder])
         log = ctx.log("sglang-language-ours")
         with launch_sglang(
