@@ -47,9 +47,9 @@ PERCENTILES = (50, 99)
 # ------------------------------------------------------------------------------------------------ measuring
 
 
-class PeakMemory:
-    """Samples, every half second, the summed RSS of every process this script started (servers and their
-    workers, any depth), less the benchmark client's own tree; keeps the peak."""
+class ProcessTree:
+    """The processes this script started (servers and their workers, any depth), less the benchmark client's
+    own tree: their summed RSS sampled every half second (the peak is kept), and their CPU time on demand."""
 
     def __init__(self, exclude: Callable[[], int | None]):
         self.exclude, self.peak, self._stop = exclude, 0, threading.Event()
@@ -65,26 +65,58 @@ class PeakMemory:
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            self.peak = max(self.peak, _tree_rss(os.getpid(), self.exclude()))
+            self.peak = max(self.peak, sum(_rss(pid) for pid in self.pids()))
+
+    def pids(self) -> list[int]:
+        parents: dict[int, int] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        found, frontier, exclude = [], [os.getpid()], self.exclude()
+        while frontier:
+            pid = frontier.pop()
+            children = [child for child, parent in parents.items() if parent == pid and child != exclude]
+            found += children
+            frontier += children
+        return found
+
+    def cpu_seconds(self) -> dict[int, tuple[str, float]]:
+        """Each process's name and the CPU time (user + system, all its threads) it has used so far."""
+        seconds = {}
+        for pid in self.pids():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                seconds[pid] = (_name(pid), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        return seconds
 
 
-def _tree_rss(root: int, exclude: int | None) -> int:
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    total, frontier = 0, [pid for pid, parent in parents.items() if parent == root and pid != exclude]
-    while frontier:
-        pid = frontier.pop()
-        with contextlib.suppress(OSError, ValueError):
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        frontier += [child for child, parent in parents.items() if parent == pid and child != exclude]
-    return total
+def _rss(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+def _name(pid: int) -> str:
+    """A process's title (vLLM names its workers), else the module or script its interpreter runs."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    if "python" not in Path(argv[0].split()[0]).name:
+        return argv[0].split()[0]
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    return Path(argv[1]).name if len(argv) > 1 else argv[0]
+
+
+def cpu_per_request(before: dict, after: dict, requests: int) -> dict[str, float]:
+    """CPU seconds per completed request between two `cpu_seconds` readings, summed per process name."""
+    spent: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        spent[name] = spent.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    return {name: value / max(requests, 1) for name, value in sorted(spent.items(), key=lambda kv: -kv[1])}
 
 
 class Driver:
     """Runs testkit/vllm_bench.py (vLLM's serving benchmark, from the engines' venv) on a plan; remembers its
-    pid so that PeakMemory leaves it out."""
+    pid so that ProcessTree leaves it out."""
 
     def __init__(self, work: Path):
         self.work, self.pid = work, None
@@ -123,15 +155,17 @@ def measure(name: str, args, ctx: Context, driver: Driver) -> dict:
     """Starts configuration `name`, warms it up, drives it at every rate, asks for its tokens, stops it."""
     common = bench_args(args, ctx)
     _, start = CONFIGURATIONS[name]
-    with PeakMemory(lambda: driver.pid) as memory, start(ctx) as running:
+    with ProcessTree(lambda: driver.pid) as tree, start(ctx) as running:
         warmup = {"base_url": running.url, "result_filename": f"{name}-warmup.json",
                   "args": ["--num-prompts", str(args.warmup), "--seed", "1"]}  # fmt: skip
         driver.run({"args": common, "runs": [warmup]}, f"{name}-warmup")
         before = running.images_encoded() if running.images_encoded else None
+        cpu_before = tree.cpu_seconds()
         runs = [{"base_url": running.url, "result_filename": f"{name}-rate{i}.json",
                  "args": ["--num-prompts", str(args.prompts), "--request-rate", rate, "--seed", str(100 + i)]}
                 for i, rate in enumerate(args.rates)]  # fmt: skip
         driver.run({"args": common, "runs": runs}, f"{name}-rates")
+        cpu_after = tree.cpu_seconds()
         encoded = running.images_encoded() - before if running.images_encoded else None
         tokens = ctx.work / "results" / f"{name}-tokens.json"
         check = {"urls": {name: running.url}, "seeds": [100], "result": str(tokens)}
@@ -141,10 +175,13 @@ def measure(name: str, args, ctx: Context, driver: Driver) -> dict:
         )
     results = [json.loads((ctx.work / "results" / run["result_filename"]).read_text()) for run in runs]
     seconds = sum(result["duration"] for result in results)
+    cpu = cpu_per_request(cpu_before, cpu_after, sum(result["completed"] for result in results))
     return {
         "rates": {rate: _row(result) for rate, result in zip(args.rates, results)},
         "encoder_images_per_s": None if encoded is None else encoded / seconds,
-        "peak_rss_gib": memory.peak / 2**30,
+        "peak_rss_gib": tree.peak / 2**30,
+        "cpu_s_per_request": sum(cpu.values()),
+        "cpu_s_per_request_by_process": cpu,
         "tokens": json.loads(tokens.read_text())["100"][name],
     }
 
@@ -182,7 +219,7 @@ def same_tokens(report: dict, name: str) -> str:
 def print_table(report: dict, rates: list[str], title: str) -> None:
     print(f"\n### {title}\n")
     heads = ["configuration", "completed"] + [f"{h} (x best peer)" for _, h, _ in COLUMNS]
-    heads += ["encoder images/s", "peak RSS GiB", "same tokens as its engine alone"]
+    heads += ["encoder images/s", "CPU s / request", "peak RSS GiB", "same tokens as its engine alone"]
     for rate in rates:
         rows = {name: entry["rates"][rate] for name, entry in report.items() if "error" not in entry}
         best = {key: better(rows[p][key] for p in PEERS if p in rows) for key, _, better in COLUMNS
@@ -199,12 +236,18 @@ def print_table(report: dict, rates: list[str], title: str) -> None:
             images = entry["encoder_images_per_s"]
             line += [
                 "–" if images is None else f"{images:.1f}",
+                f"{entry['cpu_s_per_request']:.2f}",
                 f"{entry['peak_rss_gib']:.2f}",
                 same_tokens(report, name),
             ]
             cells.append(line)
         print(f"request rate {rate}/s:\n")
         print("\n".join(markdown_table(heads, cells)) + "\n")
+    print("CPU seconds per request (all rates), by process:\n")
+    for name, entry in report.items():
+        if "error" not in entry:
+            parts = ", ".join(f"{proc} {s:.3f}" for proc, s in entry["cpu_s_per_request_by_process"].items())
+            print(f"- {name}: {parts}")
 
 
 def tower_model(tower: str, device: str, work: Path) -> Path:
