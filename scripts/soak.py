@@ -7,6 +7,10 @@ output for an image is a pseudo-random tensor seeded by the image's width, of 16
 bf16, so that a reference computes every item's embedding exactly), each behind a relay
 (testkit.fault_proxy) that can partition or slow its link and follows it across restarts; two prefill
 nodes, each an `EncoderReceiver` over all of them (one over shared memory, one over the gRPC stream).
+Where .venv-engines exists (`--engine`), an engine lane too (scripts/soak_engine_lane.py): encoder-gateway
+in front of a vLLM, with two real encoder servers on the default model behind relays of their own, which
+the faults reach like the others (all but failing forwards); its chat requests are checked against the
+same vLLM given the same images.
 
 The workload (`--workers` at once): requests of one to four items, Zipf-repeated widths from a pool
 and fresh ones, PNG and JPEG of many sizes, precomputed embeddings mixed in, now and then a hostile item (bytes that are no image, a
@@ -56,6 +60,7 @@ import torch  # noqa: E402
 from encoder_server.models import ImageEmbedding, PreparedImage  # noqa: E402
 from testkit.bench_harness import Stopwatch, percentile, print_json, write_json  # noqa: E402
 from testkit.encoders import EncoderDouble  # noqa: E402
+from testkit.vllm_server import ENGINES_PYTHON  # noqa: E402
 
 HIDDEN = 1024
 FAULTS = ("kill9", "sigstop", "partition", "slow_link", "drain", "shm_full", "errors")
@@ -140,9 +145,15 @@ class Encoder:
 
     index: int
     workdir: Path
+    argv: list[str] | None = None  # None: a soak server (`serve`); else the real server of the engine lane
     proxy: object = None
     launched: object = None
     lives: int = 0
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The faults that can land on it: forwards made to fail only on a soak server."""
+        return FAULTS if self.argv is None else tuple(kind for kind in FAULTS if kind != "errors")
 
     @property
     def fail_file(self) -> Path:
@@ -163,7 +174,7 @@ class Encoder:
         from testkit.launcher import start_process
 
         self.lives += 1
-        argv = [sys.executable, __file__, "--serve", str(self.fail_file)]
+        argv = self.argv or [sys.executable, __file__, "--serve", str(self.fail_file)]
         log = self.workdir / f"encoder-{self.index}-{self.lives}.log"
         self.launched = await asyncio.to_thread(start_process, argv, log)
         self.proxy.target_port = self.launched.port
@@ -251,6 +262,11 @@ class Soak:
         self.history = History()
         self.encoders = [Encoder(i, workdir) for i in range(args.encoders)]
         self.reference = SoakEncoder()
+        self.engine_lane = None
+        if args.engine == "on" or (args.engine == "auto" and ENGINES_PYTHON.exists()):
+            from soak_engine_lane import EngineLane
+
+            self.engine_lane = EngineLane(workdir, args.seed, args.deadline_s, args.engine_deadline_s, args.grace_s)
         self.active_faults = 0
         self.stop = asyncio.Event()
         self.clock = Stopwatch()  # the run's timeline: every record's and sample's time is on it
@@ -260,13 +276,15 @@ class Soak:
 
     async def run(self) -> dict:
         from receiver import EncoderReceiver
-        from testkit.fault_proxy import FaultProxy
 
-        for encoder in self.encoders:
-            encoder.proxy = FaultProxy(0)
-            await encoder.proxy.start()
-        await asyncio.gather(*(encoder.start() for encoder in self.encoders))
-        urls = [encoder.proxy.url for encoder in self.encoders]
+        lane = self.engine_lane
+        urls = [encoder.proxy.url for encoder in await self.start_encoders(self.encoders)]
+        if lane is not None:
+            await asyncio.to_thread(lane.write_model)
+            lane_encoders = [Encoder(len(self.encoders) + i, self.workdir, argv=lane.encoder_argv()) for i in range(2)]
+            self.encoders += lane_encoders
+            await asyncio.gather(self.start_encoders(lane_encoders), lane.start_engine())
+            await lane.start_gateway([encoder.proxy.url for encoder in lane_encoders])
         nodes = {
             # Placed by content key, so that a repeated image goes to the encoder that has it cached.
             "node-a-shm": EncoderReceiver(urls, transfer="auto", seed=self.args.seed, timeout=self.args.deadline_s,
@@ -278,6 +296,8 @@ class Soak:
         try:
             tasks = [asyncio.ensure_future(self.worker(i, nodes, workload)) for i in range(self.args.workers)]
             tasks += [asyncio.ensure_future(self.faults()), asyncio.ensure_future(self.sample())]
+            if lane is not None:
+                tasks.append(asyncio.ensure_future(lane.worker(self)))
             await asyncio.sleep(self.args.duration_s)
             self.stop.set()
             await asyncio.gather(*tasks)
@@ -290,7 +310,19 @@ class Soak:
             await asyncio.gather(*(asyncio.to_thread(e.launched.stop, 5) for e in self.encoders if e.launched))
             for encoder in self.encoders:
                 await encoder.proxy.close()
+            if lane is not None:
+                await asyncio.to_thread(lane.close)
         return self.summary()
+
+    @staticmethod
+    async def start_encoders(encoders: list[Encoder]) -> list[Encoder]:
+        from testkit.fault_proxy import FaultProxy
+
+        for encoder in encoders:
+            encoder.proxy = FaultProxy(0)
+            await encoder.proxy.start()
+        await asyncio.gather(*(encoder.start() for encoder in encoders))
+        return encoders
 
     async def worker(self, index: int, nodes: dict, workload: Workload) -> None:
         from encoder_common.errors import EncoderError
@@ -361,7 +393,9 @@ class Soak:
                 return
             if not deck:
                 deck = rng.sample(kinds, len(kinds))
-            kind, encoder, hold_s = deck.pop(), rng.choice(self.encoders), rng.uniform(*self.args.fault_hold_s)
+            kind = deck.pop()
+            encoder = rng.choice([e for e in self.encoders if kind in e.kinds])
+            hold_s = rng.uniform(*self.args.fault_hold_s)
             fault = {"kind": kind, "encoder": encoder.index, "start": round(self.now(), 3)}
             self.active_faults += 1
             try:
@@ -418,7 +452,9 @@ class Soak:
             sample = {"t": round(now, 1), "driver_lag_s": round(max(0.0, now - last - self.args.sample_s), 2),
                       "shm_files": len(list(self.shm_dir.iterdir())), "procs": {}}  # fmt: skip
             last = now
-            for name, pid, life in [("driver", me, 1)] + [(f"encoder-{e.index}", e.pid, e.lives) for e in self.encoders]:
+            engine_procs = [(name, pid, 1) for name, pid in self.engine_lane.processes()] if self.engine_lane else []
+            encoders = [(f"encoder-{e.index}", e.pid, e.lives) for e in self.encoders]
+            for name, pid, life in [("driver", me, 1), *encoders, *engine_procs]:
                 if pid is not None and (stats := proc_stats(pid)) is not None:
                     sample["procs"][f"{name}#{life}"] = stats
             for encoder in self.encoders:
@@ -474,6 +510,10 @@ class Soak:
             "seed": self.args.seed,
             "encoders": self.args.encoders,
             "requests": len(requests),
+            "requests_by_node": dict(collections.Counter(r["node"] for r in requests)),
+            "engine_lane": self.engine_lane is not None,
+            # The engine's own answers to the lane's image sets differ from each other: its check can fail.
+            "engine_lane_distinct_answers": self.engine_lane.distinct_answers() if self.engine_lane else None,
             "items": sum(len(r["items"]) for r in requests),
             "outcomes": dict(outcomes),
             "items_checked": sum(len(r["items"]) for r in ok),
@@ -487,8 +527,11 @@ class Soak:
             "repeat_hit_rate_during_faults": hit_rate([r for r in ok if r["during_fault"]]),
             "faults": dict(collections.Counter(f["kind"] for f in self.history.faults)),
             "fault_errors": [f for f in self.history.faults if "error" in f],
-            "p99_s_during_faults": p99([r for r in ok if r["during_fault"]]),
-            "p99_s_outside_faults": p99([r for r in ok if not r["during_fault"]]),
+            # The receivers' encode calls; the gateway's chat requests (vLLM's prefill and decode included) apart.
+            "p99_s_during_faults": p99([r for r in ok if r["during_fault"] and r["node"] != "gateway"]),
+            "p99_s_outside_faults": p99([r for r in ok if not r["during_fault"] and r["node"] != "gateway"]),
+            "gateway_p99_s_during_faults": p99([r for r in ok if r["during_fault"] and r["node"] == "gateway"]),
+            "gateway_p99_s_outside_faults": p99([r for r in ok if not r["during_fault"] and r["node"] == "gateway"]),
             "slopes": slopes,
             "shm_files_at_end": last.get("shm_files"),
             "shm_tmpfs": self.tmpfs,
@@ -524,6 +567,9 @@ def main() -> None:
     p.add_argument("--fault-gap-s", type=float, nargs=2, default=(3.0, 8.0), help="pause between faults, min max")
     p.add_argument("--fault-hold-s", type=float, nargs=2, default=(2.0, 8.0), help="how long a fault lasts, min max")
     p.add_argument("--sample-s", type=float, default=3.0)
+    p.add_argument("--engine", choices=("auto", "on", "off"), default="auto",
+                   help="the engine lane (encoder-gateway, vLLM and two encoders of their own); auto: where .venv-engines exists")
+    p.add_argument("--engine-deadline-s", type=float, default=60.0, help="a chat request's deadline through the gateway")
     p.add_argument("--json", type=Path, help="write the summary and the whole history here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, small_shm_dir(Path(tmp)) as (shm_dir, tmpfs):

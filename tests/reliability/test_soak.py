@@ -1,5 +1,6 @@
 """The short soak: scripts/soak.py for about 90 seconds with faults every few seconds, so that every kind
-lands at least once; nothing wrong, nothing lost, every fault landed and undone."""
+lands at least once, its engine lane (encoder-gateway and vLLM) included; nothing wrong, nothing lost, every
+fault landed and undone."""
 
 from __future__ import annotations
 
@@ -7,14 +8,18 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from testkit import REPO_ROOT
+
+pytestmark = pytest.mark.engine  # the engine lane runs vLLM from .venv-engines
 
 
 def test_a_short_soak_under_every_fault_keeps_its_invariants(tmp_path):
     history = tmp_path / "soak.json"
     run = subprocess.run(
         [sys.executable, "scripts/soak.py", "--duration-s", "90", "--seed", "11", "--fault-gap-s", "1", "3",
-         "--fault-hold-s", "1", "3", "--json", str(history)],  # fmt: skip
+         "--fault-hold-s", "1", "3", "--engine", "on", "--json", str(history)],  # fmt: skip
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -29,3 +34,9 @@ def test_a_short_soak_under_every_fault_keeps_its_invariants(tmp_path):
     recorded = json.loads(history.read_text())
     assert len(recorded["requests"]) == summary["requests"] and recorded["samples"]
     assert all(r["outcome"] in ("ok", "typed_error", "cancelled") for r in recorded["requests"])
+    # Chat requests through the gateway answered with vLLM's own tokens, while faults also hit its encoders.
+    through_gateway = [r for r in recorded["requests"] if r["node"] == "gateway"]
+    assert sum(r["outcome"] == "ok" for r in through_gateway) >= 10, summary["requests_by_node"]
+    assert summary["engine_lane_distinct_answers"] > 1  # the images change the answer, so a wrong one shows
+    lane_encoders = {summary["encoders"], summary["encoders"] + 1}
+    assert any(fault["encoder"] in lane_encoders for fault in recorded["faults"]), recorded["faults"]
