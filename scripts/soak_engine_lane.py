@@ -4,8 +4,9 @@ reaches like the rest of the fleet.
 
 Every chat request through the gateway is checked against the same vLLM answering the same bytes with its
 own tower (greedy; the reference is asked once per image set): the same token ids, or a typed error (an
-OpenAI-style error body with a status other than 500) within the deadline and its grace. A hostile image
-must be refused with 400.
+OpenAI-style error body with a status other than 500) within the deadline and its grace. A request with
+a hostile image must be refused with 400, or with 503/504 when no encoder could be reached in time (the
+encoders decode images: as on the other nodes, such a request can meet no encoder to refuse it).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class EngineLane:
                 return {"outcome": "wrong: a hostile item was answered", "wrong": 1}
             return {"outcome": "ok", "wrong": int(answer != reference)}
         message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
-        if not message or status == 500 or (hostile and status != 400):
+        if not message or status == 500 or (hostile and status not in (400, 503, 504)):
             return {"outcome": f"lost: untyped HTTP {status}", "error": str(answer)[:300]}
         return {"outcome": "typed_error", "error": f"HTTP {status}: {message}"[:300]}
 

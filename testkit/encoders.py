@@ -27,7 +27,7 @@ class EncoderDouble(VisionEncoder):
     made once per width and reused like cache hits.
 
     Switches: `hold()` / `release()` a gate that forwards wait at (`release(forwards=n)` lets n more
-    through; `hold(from_width=w)` holds only images at least w wide; `in_forward` is set while one waits
+    through; `hold(passes=n)` lets the next n through first, whichever they are; `in_forward` is set while one waits
     or runs, `running` counts them), `forward_s` makes each forward take that long, `fail_with` is raised by every forward,
     `miscount_width` makes preprocessing announce one token too many for images of that width.
     Counts: `preprocessed`, `batches` (each forward's batch size), `items_forwarded`.
@@ -56,7 +56,6 @@ class EncoderDouble(VisionEncoder):
         self.in_forward = threading.Event()
         self._gate = threading.Condition()
         self._passes: int | None = None  # forwards the gate lets through; None: open
-        self._hold_from: int | None = None  # only forwards of an image at least this wide wait
         self.running = 0  # forwards waiting at the gate or computing
         self._lock = threading.Lock()
         self._outputs: dict[int, ImageEmbedding] = {}
@@ -80,22 +79,18 @@ class EncoderDouble(VisionEncoder):
         spec = self.spec
         return (1 + spec.num_deepstack_layers) * int(self.tokens) * spec.hidden_size * spec.dtype.itemsize
 
-    def hold(self, from_width: int | None = None) -> None:
-        """Forwards from now on wait at the gate until `release`; given `from_width` (made-up outputs
-        only), just those of an image at least that wide, so which items pass is fixed by the items
-        themselves rather than by the order their forwards run in."""
-        if from_width is not None and self.inner is not None:
-            raise ValueError("hold(from_width=...) needs made-up outputs: a real tower's inputs are not widths")
+    def hold(self, passes: int = 0) -> None:
+        """Forwards from now on wait at the gate until `release`, but for the next `passes`, whichever
+        they are: a call's items reach the one forward worker in the order their preprocessing ends,
+        so a test that lets some items through counts them rather than naming them."""
         with self._gate:
-            self._passes = 0
-            self._hold_from = from_width
+            self._passes = passes
+            self._gate.notify_all()
 
     def release(self, forwards: int | None = None) -> None:
         """Opens the gate; or, given `forwards`, lets that many more forwards through it."""
         with self._gate:
             self._passes = None if forwards is None else (self._passes or 0) + forwards
-            if forwards is None:
-                self._hold_from = None
             self._gate.notify_all()
 
     def reset(self) -> None:
@@ -118,13 +113,11 @@ class EncoderDouble(VisionEncoder):
         try:
             if self.fail_with is not None:
                 raise self.fail_with
-            exempt = self._hold_from is not None and max(int(p.pixel_values[0]) for p in batch) < self._hold_from
             with self._gate:
-                if not exempt:
-                    if not self._gate.wait_for(lambda: self._passes is None or self._passes > 0, GATE_TIMEOUT_S):
-                        raise TimeoutError("the test never released the gate")
-                    if self._passes is not None:
-                        self._passes -= 1
+                if not self._gate.wait_for(lambda: self._passes is None or self._passes > 0, GATE_TIMEOUT_S):
+                    raise TimeoutError("the test never released the gate")
+                if self._passes is not None:
+                    self._passes -= 1
             if self.forward_s:
                 time.sleep(self.forward_s)
             with self._lock:

@@ -101,6 +101,14 @@ async def slow_server(default_model_dir):
         yield server
 
 
+async def cache_first_item(endpoint: EncoderEndpoint, request: pb.EncodeRequest) -> None:
+    """Encodes `request`'s item 0 alone, so that the server's cache answers it at once: forwards held
+    next hold the other items only. (Holding forwards by item cannot do that: a call's items reach the one
+    forward worker in the order their preprocessing ends, and a held forward stops the worker.)"""
+    async for _ in endpoint.encode(pb.EncodeRequest(request_id="warm", items=[request.items[0]]), timeout=60):
+        pass
+
+
 async def settle(server) -> None:
     """Lets every held forward finish and waits until the server has nothing queued or running."""
     server.forwards.release()
@@ -294,9 +302,11 @@ async def test_segments_are_owner_only_and_unguessable_and_the_offer_hides_the_t
 async def test_segments_are_taken_back_when_the_client_cancels(slow_server):
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(slow_server.url)
-    slow_server.forwards.hold(from_width=9)  # item 0 (8 pixels wide) passes, items 1 and 2 are held
+    request = offer_request("cancel", shm, 3)
+    await cache_first_item(endpoint, request)
+    slow_server.forwards.hold()  # item 0 comes from the cache, items 1 and 2 are held
     try:
-        call = endpoint.encode(offer_request("cancel", shm, 3), timeout=60)
+        call = endpoint.encode(request, timeout=60)
         first = await call.read()  # the next item is held in its forward
         assert first.shm.segment in os.listdir(shm_dir())
         before = slow_server.transports["shm"].stats.reclaimed_cancel
@@ -313,9 +323,11 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
     server = slow_server
     shm = ShmReceiver(strict=True)
     endpoint = EncoderEndpoint.connect(server.url)
-    server.forwards.hold(from_width=9)  # item 0 (8 pixels wide) comes at once, item 1 is held past the deadline
+    request = offer_request("deadline", shm, 4, width=16)  # images the cancel test did not send
+    await cache_first_item(endpoint, request)
+    server.forwards.hold()  # item 0 comes from the cache at once, the others are held past the deadline
     try:
-        call = endpoint.encode(offer_request("deadline", shm, 4), timeout=DEADLINE_S)
+        call = endpoint.encode(request, timeout=DEADLINE_S)
         first = await call.read()
         assert first.shm.segment in os.listdir(shm_dir())
         before = server.transports["shm"].stats.reclaimed_cancel
@@ -329,11 +341,12 @@ async def test_segments_are_taken_back_when_the_deadline_passes(slow_server):
         await settle(server)
         await endpoint.close()
         shm.close()
-    server.forwards.hold(from_width=9)
     try:
         async with EncoderReceiver([server.url], transfer="shm") as rx:  # and through the receiver
+            await rx.encode("warm", items(1, first_width=24))
+            server.forwards.hold()
             with pytest.raises(ShardError) as raised:
-                await rx.encode("deadline", items(4), timeout=DEADLINE_S)
+                await rx.encode("deadline", items(4, first_width=24), timeout=DEADLINE_S)
     finally:
         await settle(server)
     assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -380,7 +393,9 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
         default_model_dir, encoder=held, shm=config, batching=BatchingConfig(max_batch_images=1)
     ) as server:
         server.forwards = held
-        held.hold(from_width=9)  # both calls' item 0 (8 pixels wide) pass: the cut call is mid-stream
+        # The whole call's forward passes; the cut call's item 0 is the same image, from the cache, and
+        # its items 1 and 2 are held: the cut call is mid-stream.
+        held.hold(passes=1)
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-c", RECEIVER_SCRIPT, server.url, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
         )

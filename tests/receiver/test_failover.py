@@ -77,6 +77,7 @@ def healthy(proc: LaunchedProcess) -> bool:
 # process stopped by a signal may already have sent more into socket buffers). Which of its items
 # comes first is the server's business: the assertions count items, never name them.
 CUT_AFTER = ITEM_BYTES + ITEM_BYTES // 2
+READ_RELAYED_S = 2.0
 
 
 async def hold_mid_item(proxy, rx: EncoderReceiver, request_id: str, items: list[dict]) -> asyncio.Task:
@@ -151,6 +152,9 @@ async def test_kill_9_one_of_three_encoders_mid_stream_all_12_items_correct(trio
             started = time.perf_counter()
             # kill -9 mid-item: the half-received item must be rewritten from scratch elsewhere, the whole one kept.
             request = await hold_mid_item(proxy, rx, "kill", items)
+            # A broken connection makes gRPC drop what it received and the receiver has not read yet:
+            # the receiver, on this event loop, gets its turn to read the relayed item first.
+            await asyncio.sleep(READ_RELAYED_S)
             victim.process.kill()
             assert victim.process.wait(10) == -signal.SIGKILL
             proxy.cut()  # what the receiver sees of a killed peer: what came before, then the connection's end
