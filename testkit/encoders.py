@@ -27,7 +27,8 @@ class EncoderDouble(VisionEncoder):
     made once per width and reused like cache hits.
 
     Switches: `hold()` / `release()` a gate that forwards wait at (`release(forwards=n)` lets n more
-    through; `hold(passes=n)` lets the next n through first, whichever they are; `in_forward` is set while one waits
+    through, whichever they are: a call's items reach the forward worker in the order their preprocessing
+    ends, so tests count the forwards they let through rather than naming them); `in_forward` is set while one waits
     or runs, `running` counts them), `forward_s` makes each forward take that long, `fail_with` is raised by every forward,
     `miscount_width` makes preprocessing announce one token too many for images of that width.
     Counts: `preprocessed`, `batches` (each forward's batch size), `items_forwarded`.
@@ -79,13 +80,10 @@ class EncoderDouble(VisionEncoder):
         spec = self.spec
         return (1 + spec.num_deepstack_layers) * int(self.tokens) * spec.hidden_size * spec.dtype.itemsize
 
-    def hold(self, passes: int = 0) -> None:
-        """Forwards from now on wait at the gate until `release`, but for the next `passes`, whichever
-        they are: a call's items reach the one forward worker in the order their preprocessing ends,
-        so a test that lets some items through counts them rather than naming them."""
+    def hold(self) -> None:
+        """Forwards from now on wait at the gate until `release`."""
         with self._gate:
-            self._passes = passes
-            self._gate.notify_all()
+            self._passes = 0
 
     def release(self, forwards: int | None = None) -> None:
         """Opens the gate; or, given `forwards`, lets that many more forwards through it."""

@@ -395,7 +395,8 @@ async def test_receiver_sigkill_mid_transfer_server_reclaims_after_its_timeout(d
         server.forwards = held
         # The whole call's forward passes; the cut call's item 0 is the same image, from the cache, and
         # its items 1 and 2 are held: the cut call is mid-stream.
-        held.hold(passes=1)
+        held.hold()
+        held.release(forwards=1)
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-c", RECEIVER_SCRIPT, server.url, cwd=REPO_ROOT, stdout=asyncio.subprocess.PIPE
         )
