@@ -56,6 +56,8 @@ class ItemPipeline:
         self.namespace = cache_namespace(encoder.spec, self.profile) if keys or cache is not None else None
         self.digests = DigestMemo()
         self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
+        # Held from an item's preprocessing until it is charged (it may wait for room in between).
+        self._prepare_slots = asyncio.Semaphore(config.preprocess_workers)
 
     async def payloads(
         self, items: Sequence[pb.ImageItem], charge: StreamCharge
@@ -137,26 +139,26 @@ class ItemPipeline:
         tensors live until their last chunk is framed), and so are the preprocessed pixel values until
         the forward is done (for a large image they outweigh its embedding several times): a call
         refused for want of room costs no forward and holds no output, and what waits for the
-        batcher stays within the budget.
+        batcher stays within the budget. An item waiting for room keeps its preprocessing slot, so at
+        most `preprocess_workers` prepared items are held outside the budget.
         """
         loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        try:
-            prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
-        except asyncio.CancelledError:  # its call went away before the item reached the queue
-            self.batcher.item_cancelled_before_queue()
-            raise
-        preprocess_ms = (time.perf_counter() - started) * 1000
-        spec = self.encoder.spec
-        payload_bytes = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size * spec.dtype.itemsize
-        input_bytes = prepared.pixel_values.numel() * prepared.pixel_values.element_size()
-        try:
-            await charge.reserve(index, 2 * payload_bytes + input_bytes)  # the output, its chunks, the input
-        except OverloadedError:
-            # The refusal's traceback keeps this frame until the cyclic collector runs: without the pixel
-            # values, which would otherwise stay resident, uncharged, for every call refused meanwhile.
-            del prepared
-            raise
+        async with self._prepare_slots:
+            started = time.perf_counter()
+            try:
+                prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
+                preprocess_ms = (time.perf_counter() - started) * 1000
+                spec = self.encoder.spec
+                payload_bytes = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size * spec.dtype.itemsize
+                input_bytes = prepared.pixel_values.numel() * prepared.pixel_values.element_size()
+                await charge.reserve(index, 2 * payload_bytes + input_bytes)  # the output, its chunks, the input
+            except (OverloadedError, asyncio.CancelledError) as exc:
+                # The exception's traceback keeps this frame until the cyclic collector runs: without the
+                # pixel values, which would otherwise stay resident, uncharged, for every call refused meanwhile.
+                prepared = None
+                if isinstance(exc, asyncio.CancelledError):  # its call went away before the item reached the queue
+                    self.batcher.item_cancelled_before_queue()
+                raise
         (future,) = self.batcher.submit([prepared])
         admitted.done()  # it counts in the batcher's queue now
         encoded = await future

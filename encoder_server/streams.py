@@ -31,11 +31,20 @@ and on however many connections:
 A fresh connection that reads is therefore refused only while live calls of never-readers fill three
 quarters, which lasts until they have read nothing for EVICT_AFTER_S, or while cut streams' leftovers
 fill the whole budget (at 128 KiB each, about two thousand never-reading connections).
+
+A call or item of a connection that reads waits for room rather than being refused: the calls in
+progress give their payloads back as their receivers take them, so a prefill node with more large
+items in flight than one encoder's budget holds gets backpressure, not RESOURCE_EXHAUSTED. It waits
+up to WAIT_FOR_ROOM_S, and only while its connection is known to read and fewer calls and items wait
+than the budget holds calls (what waits is outside the budget: a call's state in gRPC, and at most
+`preprocess_workers` prepared items); otherwise it is refused at once, as a connection not known to
+read always is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import traceback
@@ -63,6 +72,8 @@ READER_SHARE = 4
 CONNECTION_SHARE = 2
 # Connections remembered as reading (an LRU of gRPC peer strings, ~100 bytes each).
 MAX_READERS = 4096
+# How long a call or item of a connection that reads waits for room before the call is refused.
+WAIT_FOR_ROOM_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +116,9 @@ class StreamBudget:
         self.leftover = 0  # held by cut calls for what they left inside gRPC (part of `held`)
         self._by_peer: dict[str, int] = {}  # bytes held per connection (peers holding nothing left out)
         self.refused = 0  # calls refused for want of room
+        self.waited = 0  # calls and items of reading connections that waited for room
+        self.waiting = 0  # ... waiting now
+        self._room = asyncio.Event()  # set whenever bytes are given back
         self.stalled = 0  # streams cut by the watchdog or for a new call's room
         self._calls: set[StreamCharge] = set()
         self._readers: OrderedDict[str, None] = OrderedDict()  # peers whose last call was read to its end
@@ -123,7 +137,7 @@ class StreamBudget:
     def call(self, peer: str) -> StreamCharge:
         """Admits the current call from `peer` (`context.peer()`: one gRPC connection): `async with
         budget.call(peer) as charge:` around all its work. Refuses it (OverloadedError) when its
-        CALL_BYTES do not fit even after cutting streams nobody reads."""
+        CALL_BYTES do not fit even after cutting streams nobody reads (and waiting, where it may)."""
         return StreamCharge(self, asyncio.current_task(), peer)
 
     def start(self) -> None:
@@ -154,6 +168,8 @@ class StreamBudget:
     def _add(self, peer: str, nbytes: int) -> None:
         """Counts `nbytes` more (or fewer, when negative) held by a call of `peer`."""
         self.held += nbytes
+        if nbytes < 0:
+            self._room.set()
         held = self._by_peer.get(peer, 0) + nbytes
         if held:
             self._by_peer[peer] = held
@@ -161,8 +177,28 @@ class StreamBudget:
             self._by_peer.pop(peer, None)
 
     async def _reserve(self, nbytes: int, peer: str) -> None:
-        if not self._fits(nbytes, peer) and not (await self._evict_unread() and self._fits(nbytes, peer)):
-            self._refuse(nbytes, peer)
+        """Charges `nbytes` to `peer`, or refuses them (OverloadedError) once they cannot wait for room
+        (see the module's docstring)."""
+        give_up = time.monotonic() + WAIT_FOR_ROOM_S
+        waiting = False
+        try:
+            while not self._fits(nbytes, peer) and not (await self._evict_unread() and self._fits(nbytes, peer)):
+                left = give_up - time.monotonic()
+                if not waiting:
+                    if peer not in self._readers or self.waiting >= self.limits.max_bytes // CALL_BYTES:
+                        self._refuse(nbytes, peer)
+                    waiting = True
+                    self.waiting += 1
+                    self.waited += 1
+                elif left <= 0 or peer not in self._readers:
+                    self._refuse(nbytes, peer)
+                self._room.clear()
+                # Woken by any bytes given back, and at least every EVICT_AFTER_S to cut streams gone unread.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), min(left, EVICT_AFTER_S))
+        finally:
+            if waiting:
+                self.waiting -= 1
         self._add(peer, nbytes)
         self.peak = max(self.peak, self.held)
 

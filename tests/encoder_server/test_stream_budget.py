@@ -161,6 +161,27 @@ async def test_a_connection_that_reads_is_served_from_the_quarter_never_readers_
                 await channel.close()
 
 
+async def test_a_reader_with_more_items_in_flight_than_its_share_waits_for_room_and_is_never_refused(
+    small_budget_server,
+):
+    # Three quarters of this budget hold two computed 7 MiB items: eight at once from one prefill node
+    # wait for the room the earlier ones give back as they are read.
+    server = small_budget_server
+    budget = server.streams
+    async with EncoderReceiver([server.url]) as rx:
+        await rx.encode("first", [{"data": image_bytes(9, 8)}])  # its connection has read a call
+        widths = range(20, 28)
+        results = await asyncio.gather(
+            *(rx.encode(f"burst-{width}", [{"data": image_bytes(width, 8)}]) for width in widths)
+        )
+        assert rx.metrics.snapshot()["retries"] == {}
+    for width, result in zip(widths, results):
+        assert torch.equal(result.items[0].embedding, server.encoder.output(width).embedding)
+    assert budget.refused == 0 and budget.waited >= 1, (budget.refused, budget.waited)
+    assert budget.peak <= budget.limits.max_bytes
+    assert await wait_until(lambda: budget.held == 0, timeout=30), budget.held
+
+
 async def never_reading_waves(channels: list[grpc.aio.Channel], waves: int, per_wave: int) -> list:
     """Waves of never-reading calls for distinct items, each wave once the one before has read nothing for
     EVICT_AFTER_S (so a call needing room may cut them); returns the calls."""
@@ -257,8 +278,12 @@ async def test_one_connection_holds_half_the_budget_and_cut_leftovers_leave_the_
     budget._read_to_the_end("ipv4:10.0.0.3:3000")
     late_cut = asyncio.Event()
     reading = await admitted("ipv4:10.0.0.3:3000", 8, late_cut)
-    assert len(reading) == 6, len(reading)
-    cut_calls += reading
+    # Six hold their room; the other two wait for room (a connection that reads is not refused at once).
+    assert budget.held_by("ipv4:10.0.0.3:3000") == 6 * CALL_BYTES and budget.waiting == 2
+    assert len(reading) == 8 and not any(task.done() for task in reading)
+    for waiting in reading[6:]:
+        waiting.cancel()
+    cut_calls += reading[:6]
     late_cut.set()
     await asyncio.sleep(0.05)
     assert budget.leftover == budget.held == 6 * (CALL_STATE_BYTES + wire.CHUNK_BYTES)
@@ -268,7 +293,7 @@ async def test_one_connection_holds_half_the_budget_and_cut_leftovers_leave_the_
         write.set_result(None)
     ended = await asyncio.gather(*cut_calls, return_exceptions=True)
     assert all(isinstance(end, OverloadedError) and "the stream was cut" in str(end) for end in ended)
-    assert budget.held == budget.leftover == 0 and not budget._by_peer
+    assert budget.held == budget.leftover == budget.waiting == 0 and not budget._by_peer
 
 
 async def test_over_long_free_text_fields_are_refused_naming_the_field(small_budget_server):
