@@ -266,7 +266,9 @@ class Soak:
         if args.engine == "on" or (args.engine == "auto" and ENGINES_PYTHON.exists()):
             from soak_engine_lane import EngineLane
 
-            self.engine_lane = EngineLane(workdir, args.seed, args.deadline_s, args.engine_deadline_s, args.grace_s)
+            self.engine_lane = EngineLane(
+                workdir, args.seed, args.deadline_s, args.engine_deadline_s, args.grace_s, args.engine_mm_cache_gb
+            )
         self.active_faults = 0
         self.stop = asyncio.Event()
         self.clock = Stopwatch()  # the run's timeline: every record's and sample's time is on it
@@ -570,6 +572,8 @@ def main() -> None:
     p.add_argument("--engine", choices=("auto", "on", "off"), default="auto",
                    help="the engine lane (encoder-gateway, vLLM and two encoders of their own); auto: where .venv-engines exists")
     p.add_argument("--engine-deadline-s", type=float, default=60.0, help="a chat request's deadline through the gateway")
+    p.add_argument("--engine-mm-cache-gb", type=float,
+                   help="vLLM's --mm-processor-cache-gb in the engine lane (default: vLLM's own, 4)")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the summary and the whole history here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, small_shm_dir(Path(tmp)) as (shm_dir, tmpfs):

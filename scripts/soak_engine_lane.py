@@ -23,14 +23,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 class EngineLane:
     def __init__(
-        self, workdir: Path, seed: int, encode_deadline_s: float, request_deadline_s: float, grace_s: float
+        self,
+        workdir: Path,
+        seed: int,
+        encode_deadline_s: float,
+        request_deadline_s: float,
+        grace_s: float,
+        mm_cache_gb: float | None = None,
     ):
+        """`mm_cache_gb`: vLLM's multimodal processor cache (its --mm-processor-cache-gb); None: vLLM's default."""
         self.workdir = workdir / "engine-lane"
         self.workdir.mkdir()
         self.rng = random.Random(seed + 5)
         self.encode_deadline_s = encode_deadline_s
         self.request_deadline_s = request_deadline_s
         self.grace_s = grace_s
+        self.mm_cache_gb = mm_cache_gb
         self.model_dir: Path | None = None
         self.references: dict[tuple, list[int]] = {}
         self.gateway: subprocess.Popen | None = None
@@ -58,9 +66,10 @@ class EngineLane:
     async def start_engine(self) -> None:
         from testkit.vllm_server import launch_vllm
 
-        engine = launch_vllm(
-            self.model_dir, log_path=self.workdir / "vllm.log", extra_args=["--no-enable-prefix-caching"]
-        )
+        extra_args = ["--no-enable-prefix-caching"]
+        if self.mm_cache_gb is not None:
+            extra_args += ["--mm-processor-cache-gb", str(self.mm_cache_gb)]
+        engine = launch_vllm(self.model_dir, log_path=self.workdir / "vllm.log", extra_args=extra_args)
         self.vllm = await asyncio.to_thread(self._stack.enter_context, engine)
 
     async def start_gateway(self, encoder_urls: list[str]) -> None:
