@@ -144,7 +144,7 @@ def _engine_kernels(model: torch.nn.Module) -> None:
 def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, checkpoints):
     """Built in the served dtype the way from_pretrained builds it, the tower runs the very same ops but for
     the Qwen towers' engine kernels (patch embedding as a matmul, oneDNN linears, as vLLM runs them): bit for
-    bit the model's own forward with those kernels, and within one bf16 rounding of its stock forward."""
+    bit the model's own forward with those kernels, and within one bf16 step of its stock forward."""
     images = [image_bytes(200, 150, seed=11)]
     (stock,) = reference_features(checkpoints[case], images, dtype=torch.bfloat16)
     (features,) = reference_features(
@@ -155,7 +155,9 @@ def test_bf16_outputs_are_bit_identical_to_the_models_own_bf16_forward(case, che
     assert output.embedding.dtype == torch.bfloat16
     assert torch.equal(output.embedding, image_rows(features))
     stock_embedding = image_rows(stock).float()
-    bf16_step = 2.0**-8 * stock_embedding.abs().max().item()
+    # bf16 keeps 8 significant bits: one step (ulp) is at most 2**-7 of the largest magnitude. Two roundings
+    # of the same value by different kernels can be a whole step apart (seen on an AMD EPYC host).
+    bf16_step = 2.0**-7 * stock_embedding.abs().max().item()
     torch.testing.assert_close(output.embedding.float(), stock_embedding, rtol=0, atol=bf16_step)
     deepstack = reference_deepstack(features)
     assert (output.deepstack is None) == (deepstack is None)
