@@ -90,14 +90,15 @@ class EngineLane:
         await asyncio.to_thread(self._stack.enter_context, serving_cm)
 
     def processes(self) -> list[tuple[str, int]]:
-        """(name, pid) of the gateway, vLLM's API server and its engine-core children, for the sampler."""
+        """(name, pid) of the gateway, vLLM's API server and every process under it (its engine core, the
+        engine core's model worker), for the sampler."""
         procs = []
         if self.gateway is not None and self.gateway.poll() is None:
             procs.append(("gateway", self.gateway.pid))
         if self.vllm is not None and self.vllm.process.poll() is None:
             procs.append(("vllm", self.vllm.process.pid))
-            for i, child in enumerate(_children(self.vllm.process.pid)):
-                procs.append((f"vllm-child{i}", child))
+            for i, child in enumerate(_descendants(self.vllm.process.pid)):
+                procs.append((f"vllm-child{i}-{_command_name(child)}", child))
         return procs
 
     def distinct_answers(self) -> int:
@@ -185,8 +186,18 @@ async def _ask(session, url: str, body: dict) -> tuple[int, object]:
         return 200, [int(step["token"].removeprefix("token_id:")) for step in steps]
 
 
-def _children(pid: int) -> list[int]:
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid`, depth first."""
     try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+    return [found for child in children for found in (child, *_descendants(child))]
+
+
+def _command_name(pid: int) -> str:
+    """What the process calls itself (vLLM names its own: `VLLM::EngineCore`, `VLLM::Worker`)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip().removeprefix("VLLM::")
+    except OSError:
+        return "gone"
