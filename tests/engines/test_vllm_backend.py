@@ -178,7 +178,9 @@ async def test_a_much_larger_language_model_does_not_grow_the_servers_memory(qwe
     growth = big_rss - vllm_server.ready_rss
     print(f"\nRSS once serving: {vllm_server.ready_rss / 2**20:.0f} MiB (small LM), {big_rss / 2**20:.0f} MiB "
           f"(LM {lm_bytes / 2**20:.0f} MiB larger)")  # fmt: skip
-    assert growth < lm_bytes / 4, (growth, lm_bytes)
+    # Loading the language model would add all of its 293 MiB; two servers of the same checkpoint have
+    # become ready up to 85 MiB apart (an AMD EPYC host), so the line is drawn at half of it.
+    assert growth < lm_bytes / 2, (growth, lm_bytes)
 
 
 @pytest.mark.engine
