@@ -118,7 +118,9 @@ class StreamBudget:
         self.refused = 0  # calls refused for want of room
         self.waited = 0  # calls and items of reading connections that waited for room
         self.waiting = 0  # ... waiting now
-        self._room = asyncio.Event()  # set whenever bytes are given back
+        # Set (and replaced by a fresh one) whenever bytes are given back: a waiter takes the current one
+        # before it checks for room, so a release at any point after that check wakes it.
+        self._room = asyncio.Event()
         self.stalled = 0  # streams cut by the watchdog or for a new call's room
         self._calls: set[StreamCharge] = set()
         self._readers: OrderedDict[str, None] = OrderedDict()  # peers whose last call was read to its end
@@ -170,6 +172,7 @@ class StreamBudget:
         self.held += nbytes
         if nbytes < 0:
             self._room.set()
+            self._room = asyncio.Event()
         held = self._by_peer.get(peer, 0) + nbytes
         if held:
             self._by_peer[peer] = held
@@ -182,7 +185,10 @@ class StreamBudget:
         give_up = time.monotonic() + WAIT_FOR_ROOM_S
         waiting = False
         try:
-            while not self._fits(nbytes, peer) and not (await self._evict_unread() and self._fits(nbytes, peer)):
+            while True:
+                room = self._room
+                if self._fits(nbytes, peer) or (await self._evict_unread() and self._fits(nbytes, peer)):
+                    break
                 left = give_up - time.monotonic()
                 if not waiting:
                     if peer not in self._readers or self.waiting >= self.limits.max_bytes // CALL_BYTES:
@@ -192,10 +198,9 @@ class StreamBudget:
                     self.waited += 1
                 elif left <= 0 or peer not in self._readers:
                     self._refuse(nbytes, peer)
-                self._room.clear()
                 # Woken by any bytes given back, and at least every EVICT_AFTER_S to cut streams gone unread.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._room.wait(), min(left, EVICT_AFTER_S))
+                    await asyncio.wait_for(room.wait(), min(left, EVICT_AFTER_S))
         finally:
             if waiting:
                 self.waiting -= 1

@@ -343,3 +343,34 @@ def test_a_payload_starts_with_small_chunks_for_a_connection_not_known_to_read_a
     for small_first in (True, False):
         data = b"".join(bytes(wire.parse_response(c)) for c in payload.chunks(small_first=small_first))
         assert data == tensor.numpy().tobytes()
+
+
+async def test_every_release_wakes_a_waiting_reader_at_once_however_releases_and_wake_ups_interleave():
+    # A reader holds twelve calls' worth (its share of a sixteen-call budget); as many more of its calls
+    # as may wait do. The holders end together and each admitted waiter ends as soon as it starts, so
+    # releases land while other waiters are waking up: each waiter must be admitted by a release, never
+    # by the EVICT_AFTER_S timer that also wakes waiters.
+    budget = StreamBudget(StreamLimits(max_bytes=16 * CALL_BYTES))
+    peer = "ipv4:10.0.0.4:4000"
+    budget._read_to_the_end(peer)
+    end = asyncio.Event()
+
+    async def held() -> None:
+        async with budget.call(peer):
+            await end.wait()
+
+    async def waiter() -> float:
+        async with budget.call(peer):
+            return time.monotonic()
+
+    holders = [asyncio.ensure_future(held()) for _ in range(12)]
+    await asyncio.sleep(0.01)
+    waiters = [asyncio.ensure_future(waiter()) for _ in range(16)]
+    await asyncio.sleep(0.01)
+    assert budget.waiting == 16
+    released = time.monotonic()
+    end.set()
+    admitted = await asyncio.gather(*waiters)
+    await asyncio.gather(*holders)
+    assert max(admitted) - released < EVICT_AFTER_S / 4, max(admitted) - released
+    assert budget.held == budget.waiting == budget.refused == 0 and budget.waited == 16
