@@ -267,7 +267,8 @@ class Soak:
             from soak_engine_lane import EngineLane
 
             self.engine_lane = EngineLane(
-                workdir, args.seed, args.deadline_s, args.engine_deadline_s, args.grace_s, args.engine_mm_cache_gb
+                workdir, args.seed, args.deadline_s, args.engine_deadline_s, args.grace_s, args.engine_mm_cache_gb,
+                args.engine_preload,
             )
         self.active_faults = 0
         self.stop = asyncio.Event()
@@ -574,6 +575,8 @@ def main() -> None:
     p.add_argument("--engine-deadline-s", type=float, default=60.0, help="a chat request's deadline through the gateway")
     p.add_argument("--engine-mm-cache-gb", type=float,
                    help="vLLM's --mm-processor-cache-gb in the engine lane (default: vLLM's own, 4)")  # fmt: skip
+    p.add_argument("--engine-preload", metavar="LIB",
+                   help="a library vLLM's processes preload (LD_PRELOAD), e.g. libtcmalloc_minimal.so.4")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the summary and the whole history here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, small_shm_dir(Path(tmp)) as (shm_dir, tmpfs):

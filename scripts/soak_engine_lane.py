@@ -30,8 +30,10 @@ class EngineLane:
         request_deadline_s: float,
         grace_s: float,
         mm_cache_gb: float | None = None,
+        preload: str | None = None,
     ):
-        """`mm_cache_gb`: vLLM's multimodal processor cache (its --mm-processor-cache-gb); None: vLLM's default."""
+        """`mm_cache_gb`: vLLM's multimodal processor cache (its --mm-processor-cache-gb); None: vLLM's default.
+        `preload`: a shared library vLLM's processes start with (LD_PRELOAD), e.g. an allocator."""
         self.workdir = workdir / "engine-lane"
         self.workdir.mkdir()
         self.rng = random.Random(seed + 5)
@@ -39,6 +41,7 @@ class EngineLane:
         self.request_deadline_s = request_deadline_s
         self.grace_s = grace_s
         self.mm_cache_gb = mm_cache_gb
+        self.preload = preload
         self.model_dir: Path | None = None
         self.references: dict[tuple, list[int]] = {}
         self.gateway: subprocess.Popen | None = None
@@ -69,7 +72,10 @@ class EngineLane:
         extra_args = ["--no-enable-prefix-caching"]
         if self.mm_cache_gb is not None:
             extra_args += ["--mm-processor-cache-gb", str(self.mm_cache_gb)]
-        engine = launch_vllm(self.model_dir, log_path=self.workdir / "vllm.log", extra_args=extra_args)
+        extra_env = {"LD_PRELOAD": self.preload} if self.preload else None
+        engine = launch_vllm(
+            self.model_dir, log_path=self.workdir / "vllm.log", extra_args=extra_args, extra_env=extra_env
+        )
         self.vllm = await asyncio.to_thread(self._stack.enter_context, engine)
 
     async def start_gateway(self, encoder_urls: list[str]) -> None:
