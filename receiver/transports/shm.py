@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 # Server pool segments kept mapped; more than a server's pool ever holds at the default budget.
 _MAX_MAPPINGS = 64
-# How often reading lets go of mappings whose segment the server gave up (its memory is ours alone then).
+# How often a call lets go of mappings whose segment the server gave up: their memory is ours alone then,
+# and it counts against the shared-memory filesystem until we unmap it.
 _FORGET_DROPPED_S = 1.0
 
 
@@ -135,6 +136,10 @@ class ShmReceiver:
         offer = self.offer(url)
         if offer is None:
             return None
+        # Before the server places anything: a segment it gave up (reaped, or its server died) and that only
+        # our cached mapping keeps would otherwise hold its memory until a segment came through again,
+        # which a full filesystem (a small /dev/shm) stops from ever happening.
+        self._forget_dropped()
         request.shm.CopyFrom(offer)
         return functools.partial(self.take, request.request_id)
 
@@ -230,14 +235,18 @@ class ShmReceiver:
         weakref.finalize(payload, _unlink, path)
         return torch.from_numpy(payload)
 
-    def _mapping(self, fd: int, st: os.stat_result) -> _Mapping:
-        key = (st.st_dev, st.st_ino)
-        mapping = self._mappings.pop(key, None)
+    def _forget_dropped(self) -> None:
+        """Unmaps the cached mappings of segments their server gave up; at most every _FORGET_DROPPED_S
+        (an fstat per mapping). A mapping a result's tensor still uses goes with that tensor."""
         now = time.monotonic()
-        if mapping is None or now - self._dropped_checked > _FORGET_DROPPED_S:
+        if now - self._dropped_checked > _FORGET_DROPPED_S:
             self._dropped_checked = now
             for old in [k for k, m in self._mappings.items() if m.dropped()]:
                 self._mappings.pop(old).close()
+
+    def _mapping(self, fd: int, st: os.stat_result) -> _Mapping:
+        key = (st.st_dev, st.st_ino)
+        mapping = self._mappings.pop(key, None)
         if mapping is None or mapping.size != st.st_size:
             if mapping is not None:
                 mapping.close()

@@ -455,6 +455,47 @@ async def test_server_sigkill_leaves_files_that_receivers_and_the_next_server_re
         assert files_of(dead) == []  # the next server's start removed them
 
 
+def mapped_files(instance: str) -> set[str]:
+    """This process's mappings of the instance's files, by name (" (deleted)" once unlinked)."""
+    with open("/proc/self/maps") as maps:
+        return {line.split("/")[-1].strip() for line in maps if f"/{instance}." in line}
+
+
+async def test_a_call_unmaps_what_a_gone_server_left_mapped_in_the_receiver(default_model_dir, monkeypatch):
+    # The receiver keeps a server's segments mapped for reuse. Once their server is gone, that mapping alone
+    # holds their memory on the shared-memory filesystem: on a small /dev/shm, enough for the next server
+    # to find no room for a segment, so that no segment would come through again to free it.
+    monkeypatch.setattr("receiver.transports.shm._FORGET_DROPPED_S", 0.0)
+    shm = ShmReceiver(strict=True)
+
+    async def one_item(url: str, request_id: str) -> Placement:
+        """A call for one item, its header read as EncoderReceiver reads it."""
+        item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image_bytes(224, 224))
+        request = pb.EncodeRequest(request_id=request_id, items=[item])
+        take = shm.open_call(request, url)
+        endpoint = EncoderEndpoint.connect(url)
+        try:
+            responses = [message async for message in endpoint.encode(request, timeout=60)]
+        finally:
+            await endpoint.close()
+        placement, payload = take(responses[0])
+        del payload  # released to the server; the receiver keeps the segment mapped for the next item
+        return placement
+
+    try:
+        async with running_server(default_model_dir, encoder=fixed_encoder(), shm=ShmConfig()) as first:
+            instance = first.transports["shm"].instance
+            assert await one_item(first.url, "first") is Placement.FILLED
+        assert files_of(instance) == [] and mapped_files(instance)  # its files are gone, not their memory
+        # The next server places nothing (as when it finds no room): the call alone must let go of them.
+        no_room = ShmConfig(min_bytes=1 << 30)
+        async with running_server(default_model_dir, encoder=fixed_encoder(), shm=no_room) as second:
+            assert await one_item(second.url, "second") is Placement.CHUNKS
+        assert mapped_files(instance) == set()
+    finally:
+        shm.close()
+
+
 def test_sweep_removes_dead_instances_only(tmp_path):
     live = new_instance(SERVER_KIND)
     dead = new_instance(SERVER_KIND)
