@@ -229,6 +229,19 @@ class Workload:
         return kind, image, image_bytes(width, height, seed=seed, fmt=rng.choice(["PNG", "JPEG"]))
 
 
+def longest_idle(samples: list[dict], key: str) -> float | None:
+    """The longest time, in seconds between samples, over which the count `key` did not grow."""
+    points = [(s["t"], s[key]) for s in samples if key in s]
+    if len(points) < 2:
+        return None
+    longest, since = 0.0, points[0]
+    for t, count in points[1:]:
+        if count > since[1]:
+            since = (t, count)
+        longest = max(longest, t - since[0])
+    return round(longest, 1)
+
+
 def fitted_slope(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, value) points, per hour."""
     n = len(points)
@@ -270,6 +283,7 @@ class Soak:
                 workdir, args.seed, args.deadline_s, args.engine_deadline_s, args.grace_s, args.engine_mm_cache_gb,
                 args.engine_preload,
             )
+        self.shm_node = None  # the prefill node that offers shared memory: its transfer stats are sampled
         self.active_faults = 0
         self.stop = asyncio.Event()
         self.clock = Stopwatch()  # the run's timeline: every record's and sample's time is on it
@@ -295,6 +309,7 @@ class Soak:
             "node-b-stream": EncoderReceiver(urls, transfer="grpc", seed=self.args.seed + 1,
                                              timeout=self.args.deadline_s, placement="affinity"),
         }
+        self.shm_node = nodes["node-a-shm"]
         workload = Workload(random.Random(self.args.seed + 2), self.args.pool)
         try:
             tasks = [asyncio.ensure_future(self.worker(i, nodes, workload)) for i in range(self.args.workers)]
@@ -454,6 +469,9 @@ class Soak:
             # no deadline of its receivers could be enforced either.
             sample = {"t": round(now, 1), "driver_lag_s": round(max(0.0, now - last - self.args.sample_s), 2),
                       "shm_files": len(list(self.shm_dir.iterdir())), "procs": {}}  # fmt: skip
+            if self.shm_node is not None:  # items through shared memory so far, and why others were not
+                stats = self.shm_node.transfer_stats
+                sample["shm_items"], sample["shm_fallbacks"] = stats.items_shm, dict(stats.fallbacks)
             last = now
             engine_procs = [(name, pid, 1) for name, pid in self.engine_lane.processes()] if self.engine_lane else []
             encoders = [(f"encoder-{e.index}", e.pid, e.lives) for e in self.encoders]
@@ -537,6 +555,11 @@ class Soak:
             "gateway_p99_s_outside_faults": p99([r for r in ok if not r["during_fault"] and r["node"] == "gateway"]),
             "slopes": slopes,
             "shm_files_at_end": last.get("shm_files"),
+            # The shared-memory node's items through segments, why others came over the stream, and the
+            # longest stretch without one: the fast path must come back after every fault.
+            "shm_items": last.get("shm_items"),
+            "shm_fallbacks": last.get("shm_fallbacks"),
+            "shm_longest_idle_s": longest_idle(self.history.samples, "shm_items"),
             "shm_tmpfs": self.tmpfs,
         }
 

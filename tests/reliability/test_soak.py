@@ -31,6 +31,8 @@ def test_a_short_soak_under_every_fault_keeps_its_invariants(tmp_path):
     kinds = {"kill9", "sigstop", "partition", "slow_link", "drain", "errors"} | ({"shm_full"} if summary["shm_tmpfs"] else set())
     assert kinds <= set(summary["faults"]) and not summary["fault_errors"], summary["faults"]
     assert summary["repeat_cache_hits"] > 0
+    # Shared memory carried items all along: whatever the faults did to it, the fast path came back.
+    assert summary["shm_items"] > 0 and summary["shm_longest_idle_s"] < 30, summary
     recorded = json.loads(history.read_text())
     assert len(recorded["requests"]) == summary["requests"] and recorded["samples"]
     assert all(r["outcome"] in ("ok", "typed_error", "cancelled") for r in recorded["requests"])
