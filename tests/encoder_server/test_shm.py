@@ -677,6 +677,46 @@ async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers
     assert os.listdir(tmp_path) == []
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 12 MiB tmpfs, as a small /dev/shm is (skipped where this process may not mount one)."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(path)], capture_output=True)
+    if mount.returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+async def test_a_full_filesystem_takes_the_pools_own_free_segments_before_an_item_goes_as_chunks(small_tmpfs):
+    segments = ShmSegments(ShmConfig(directory=small_tmpfs, min_bytes=0))
+    await segments.start()
+
+    def place(nbytes: int) -> pb.ItemHeader:
+        payload = torch.zeros(nbytes // 4, dtype=torch.float32)
+        header = pb.ItemHeader(
+            index=0, num_tokens=nbytes // 4096, hidden_size=1024, dtype=pb.FLOAT32, payload_bytes=nbytes
+        )
+        segments.place(header, [wire.tensor_bytes(payload)], b"t" * 32, os.geteuid(), "req")
+        return header
+
+    try:
+        small = [place(1 << 20) for _ in range(3)]  # three 2 MiB segments, all announced at once
+        for header in small:
+            (small_tmpfs / header.shm.segment).unlink()  # released: free, too small for what follows
+        free = os.statvfs(small_tmpfs)
+        (small_tmpfs / "another-tenant").write_bytes(bytes(free.f_bavail * free.f_frsize))
+        large = place(3 << 20)  # a 4 MiB segment: no room left but the pool's own free segments
+        assert large.shm.segment and not segments.stats.fallbacks, segments.stats.fallbacks
+        # Two of the free ones, the oldest, made room: the third and the new segment are what the pool holds.
+        assert (segments.pool().segments, segments.pool().bytes) == (2, 6 << 20)
+    finally:
+        await segments.stop()
+
+
 async def test_small_payloads_go_as_chunks(default_model_dir):
     tiny = EncoderDouble(tokens=4)  # 16 KiB
     async with running_server(default_model_dir, encoder=tiny, shm=ShmConfig()) as server:

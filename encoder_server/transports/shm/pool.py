@@ -5,6 +5,7 @@ and the reaper that gives idle segments back to the OS."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import stat
@@ -222,7 +223,17 @@ class ShmSegments:
             self._drop(free.pop(0))
         if self.pool_bytes + capacity > self.config.max_bytes:
             return None
-        segment = Segment(self.directory, self.instance, capacity, owner)
+        while True:
+            try:
+                segment = Segment(self.directory, self.instance, capacity, owner)
+                break
+            except OSError as exc:
+                # The filesystem is full (a small /dev/shm, other servers' pools, other tenants): this
+                # pool's own free segments make room, oldest first. A receiver that still maps one
+                # holds its pages until its next call, so the item may go as chunks this time.
+                if exc.errno != errno.ENOSPC or not free:
+                    raise
+                self._drop(free.pop(0))
         self._segments.append(segment)
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.pool_bytes)
         return segment
