@@ -60,6 +60,7 @@ import torch  # noqa: E402
 from encoder_server.models import ImageEmbedding, PreparedImage  # noqa: E402
 from testkit.bench_harness import Stopwatch, percentile, print_json, write_json  # noqa: E402
 from testkit.encoders import EncoderDouble  # noqa: E402
+from testkit.shm_dirs import small_shm_dir  # noqa: E402
 from testkit.vllm_server import ENGINES_PYTHON  # noqa: E402
 
 HIDDEN = 1024
@@ -564,20 +565,6 @@ class Soak:
         }
 
 
-@contextlib.contextmanager
-def small_shm_dir(workdir: Path) -> tuple[Path, bool]:
-    """A small tmpfs standing in for /dev/shm when this process may mount one (root), else a plain directory."""
-    path = workdir / "shm"
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SHM_TMPFS_BYTES}", "tmpfs", str(path)],
-                             capture_output=True).returncode == 0  # fmt: skip
-    try:
-        yield path, mounted
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         serve(sys.argv[2])
@@ -602,7 +589,7 @@ def main() -> None:
                    help="a library vLLM's processes preload (LD_PRELOAD), e.g. libtcmalloc_minimal.so.4")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the summary and the whole history here")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="soak-") as tmp, small_shm_dir(Path(tmp)) as (shm_dir, tmpfs):
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp, small_shm_dir(Path(tmp), SHM_TMPFS_BYTES) as (shm_dir, tmpfs):
         os.environ["ENCODER_SHM_DIR"] = str(shm_dir)  # the servers (children) and the receivers
         soak = Soak(args, Path(tmp), shm_dir, tmpfs)
         summary = asyncio.run(soak.run())

@@ -36,6 +36,7 @@ from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.launcher import launch_server
 from testkit.servers import running_server, wait_until
+from testkit.shm_dirs import small_shm_dir
 
 # 600 tokens x 2048 bf16, plus one deepstack layer: 4.9 MB, over gRPC's 4 MiB message limit.
 NUM_TOKENS = 600
@@ -680,15 +681,10 @@ async def test_a_root_server_gives_each_user_its_own_segments_never_one_anothers
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 12 MiB tmpfs, as a small /dev/shm is (skipped where this process may not mount one)."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(path)], capture_output=True)
-    if mount.returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_shm_dir(tmp_path, 12 << 20) as (path, mounted):
+        if not mounted:
+            pytest.skip("cannot mount a tmpfs here")
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
 async def test_a_full_filesystem_takes_the_pools_own_free_segments_before_an_item_goes_as_chunks(small_tmpfs):
