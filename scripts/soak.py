@@ -16,10 +16,12 @@ The workload (`--workers` at once): requests of one to four items, Zipf-repeated
 and fresh ones, PNG and JPEG of many sizes, precomputed embeddings mixed in, now and then a hostile item (bytes that are no image, a
 truncated PNG) and a call cancelled part-way; every request has a deadline.
 
-The faults, one at a time at seeded random moments on a seeded random encoder, each held a few
-seconds, every kind once per round in a seeded order: kill -9 and restart, SIGSTOP/SIGCONT, a partition that drops nothing and closes nothing
-(the relay holds), a slow link, a graceful drain (SIGTERM) and restart, shared memory that runs out
-(the segments live on a small tmpfs, filled up), an encoder whose forwards fail.
+The faults, at seeded random moments on a seeded random encoder, each held a few seconds, every kind
+once per round in a seeded order: kill -9 and restart, SIGSTOP/SIGCONT, a partition that drops nothing
+and closes nothing (the relay holds), a slow link, a graceful drain (SIGTERM) and restart, shared memory
+that runs out (the segments live on a small tmpfs, filled up), an encoder whose forwards fail. One at a
+time, or up to `--concurrent-faults` at once, each on an encoder of its own (`faults_at_once_max` in
+the summary says how many overlapped).
 
 Invariants, per request: each returned embedding equals its item's reference, in its slot (`wrong`);
 each request ends with a result, a typed error (`EncoderError`) or its own cancellation within its
@@ -243,6 +245,16 @@ def longest_idle(samples: list[dict], key: str) -> float | None:
     return round(longest, 1)
 
 
+def most_at_once(faults: list[dict]) -> int:
+    """The most faults held at one moment."""
+    edges = sorted([(f["start"], 1) for f in faults] + [(f["end"], -1) for f in faults])  # an end before a start
+    held = most = 0
+    for _, step in edges:
+        held += step
+        most = max(most, held)
+    return most
+
+
 def fitted_slope(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, value) points, per hour."""
     n = len(points)
@@ -286,6 +298,7 @@ class Soak:
             )
         self.shm_node = None  # the prefill node that offers shared memory: its transfer stats are sampled
         self.active_faults = 0
+        self.faulted: dict[int, str] = {}  # encoder index: the kind of fault it holds now
         self.stop = asyncio.Event()
         self.clock = Stopwatch()  # the run's timeline: every record's and sample's time is on it
 
@@ -402,7 +415,12 @@ class Soak:
         return {"wrong": wrong, "repeats": repeats, "cache_hits": hits}
 
     async def faults(self) -> None:
-        rng = self.rng
+        """`--concurrent-faults` lanes, each landing one fault after another: that many at once at most, never
+        two on one encoder, and one filling the shared-memory directory at a time."""
+        await asyncio.gather(*(self.fault_lane(lane) for lane in range(self.args.concurrent_faults)))
+
+    async def fault_lane(self, lane: int) -> None:
+        rng = self.rng if lane == 0 else random.Random(self.args.seed * 7919 + lane)
         kinds = [kind for kind in FAULTS if kind != "shm_full" or self.tmpfs]
         deck: list[str] = []  # every kind once per round, in a seeded order
         while not self.stop.is_set():
@@ -412,19 +430,31 @@ class Soak:
                 return
             if not deck:
                 deck = rng.sample(kinds, len(kinds))
-            kind = deck.pop()
-            encoder = rng.choice([e for e in self.encoders if kind in e.kinds])
+            # The next kind of the deck that can land now: another lane may hold every encoder it could hit.
+            kind = next((kind for kind in reversed(deck) if self.free_for(kind)), None)
+            if kind is None:
+                continue
+            deck.remove(kind)
+            encoder = rng.choice(self.free_for(kind))
             hold_s = rng.uniform(*self.args.fault_hold_s)
             fault = {"kind": kind, "encoder": encoder.index, "start": round(self.now(), 3)}
             self.active_faults += 1
+            self.faulted[encoder.index] = kind
             try:
                 await self.land(kind, encoder, hold_s)
             except Exception as exc:  # noqa: BLE001 - the schedule goes on; the history says what failed
                 fault["error"] = f"{type(exc).__name__}: {exc}"[:300]
             finally:
                 self.active_faults -= 1
+                del self.faulted[encoder.index]
             fault["end"] = round(self.now(), 3)
             self.history.faults.append(fault)
+
+    def free_for(self, kind: str) -> list[Encoder]:
+        """The encoders `kind` can land on now: none that a fault holds; none while the directory is full."""
+        if kind == "shm_full" and kind in self.faulted.values():
+            return []
+        return [e for e in self.encoders if kind in e.kinds and e.index not in self.faulted]
 
     async def land(self, kind: str, encoder: Encoder, hold_s: float) -> None:
         if kind == "kill9":
@@ -548,6 +578,7 @@ class Soak:
             "repeat_hit_rate_outside_faults": hit_rate([r for r in ok if not r["during_fault"]]),
             "repeat_hit_rate_during_faults": hit_rate([r for r in ok if r["during_fault"]]),
             "faults": dict(collections.Counter(f["kind"] for f in self.history.faults)),
+            "faults_at_once_max": most_at_once(self.history.faults),
             "fault_errors": [f for f in self.history.faults if "error" in f],
             # The receivers' encode calls; the gateway's chat requests (vLLM's prefill and decode included) apart.
             "p99_s_during_faults": p99([r for r in ok if r["during_fault"] and r["node"] != "gateway"]),
@@ -579,6 +610,7 @@ def main() -> None:
     p.add_argument("--grace-s", type=float, default=5.0, help="past the deadline, a request not ended is lost")
     p.add_argument("--fault-gap-s", type=float, nargs=2, default=(3.0, 8.0), help="pause between faults, min max")
     p.add_argument("--fault-hold-s", type=float, nargs=2, default=(2.0, 8.0), help="how long a fault lasts, min max")
+    p.add_argument("--concurrent-faults", type=int, default=1, help="faults landing at once, on distinct encoders")
     p.add_argument("--sample-s", type=float, default=3.0)
     p.add_argument("--engine", choices=("auto", "on", "off"), default="auto",
                    help="the engine lane (encoder-gateway, vLLM and two encoders of their own); auto: where .venv-engines exists")
