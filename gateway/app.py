@@ -177,7 +177,9 @@ def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.A
     async def lifecycle(app: web.Application):
         receiver = EncoderReceiver(list(config.encoders), config.receiver)
         session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=config.engine_timeout_s), auto_decompress=False
+            connector=aiohttp.TCPConnector(keepalive_timeout=config.engine_keepalive_s),
+            timeout=aiohttp.ClientTimeout(total=config.engine_timeout_s),
+            auto_decompress=False,
         )
         try:
             await _check_encoders(receiver, config.handoff)

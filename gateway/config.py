@@ -11,6 +11,12 @@ from encoder_common.sources import SourcePolicy
 from receiver.config import ReceiverConfig
 
 
+# Seconds an idle HTTP connection to vLLM stays pooled: under vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+# 5 s), so a connection is dropped here before the engine closes it and no request goes out on a connection
+# the engine is closing (aiohttp's default, 15 s, races that close and answers ServerDisconnectedError).
+ENGINE_KEEPALIVE_S = 4.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class GatewayConfig:
     engine_url: str = field(metadata=flag("the vLLM OpenAI server, e.g. http://127.0.0.1:8000"))
@@ -26,6 +32,15 @@ class GatewayConfig:
     engine_timeout_s: float | None = field(  # the whole engine call; None: as long as the engine takes
         default=None,
         metadata=flag("deadline of one engine call, seconds (default: none)", name="--engine-timeout", type=float),
+    )
+    engine_keepalive_s: float = field(
+        default=ENGINE_KEEPALIVE_S,
+        metadata=flag(
+            "seconds an idle connection to the engine stays pooled; keep it under the engine's own keep-alive "
+            "(vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s)",
+            name="--engine-keepalive",
+            type=float,
+        ),
     )
     # The gateway fronts OpenAI clients, who send http(s) image URLs: fetched by default, from public
     # addresses only.

@@ -566,6 +566,7 @@ class Soak:
             "engine_lane": self.engine_lane is not None,
             # The engine's own answers to the lane's image sets differ from each other: its check can fail.
             "engine_lane_distinct_answers": self.engine_lane.distinct_answers() if self.engine_lane else None,
+            "engine_alone_failures": dict(self.engine_lane.engine_alone_failures) if self.engine_lane else None,
             "items": sum(len(r["items"]) for r in requests),
             "outcomes": dict(outcomes),
             "items_checked": sum(len(r["items"]) for r in ok),

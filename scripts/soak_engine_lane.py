@@ -12,6 +12,7 @@ encoders decode images: as on the other nodes, such a request can meet no encode
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 import subprocess
@@ -44,6 +45,8 @@ class EngineLane:
         self.preload = preload
         self.model_dir: Path | None = None
         self.references: dict[tuple, list[int]] = {}
+        # The reference asks that vLLM alone did not answer (HTTP status or exception): nothing to compare.
+        self.engine_alone_failures: collections.Counter[str] = collections.Counter()
         self.gateway: subprocess.Popen | None = None
         self.gateway_url = ""
         self.vllm = None
@@ -138,11 +141,13 @@ class EngineLane:
         """Chat requests one after another until the soak stops, each recorded in the soak's history."""
         import aiohttp
 
+        from gateway.config import ENGINE_KEEPALIVE_S
         from testkit.chat import chat_request, image_part
 
         n = 0
         timeout = aiohttp.ClientTimeout(total=self.request_deadline_s + self.grace_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        connector = aiohttp.TCPConnector(keepalive_timeout=ENGINE_KEEPALIVE_S)  # the reference asks go to vLLM
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             while not soak.stop.is_set():
                 n += 1
                 items, data = self.request()
@@ -150,10 +155,12 @@ class EngineLane:
                 hostile = any(kind == "hostile" for kind, _ in items)
                 key = tuple(tuple(image) for _, image in items if image is not None)
                 if not hostile and key not in self.references:
-                    status, answer = await _ask(session, self.vllm.url, body)
-                    if (
-                        status != 200
-                    ):  # the engine alone failed: nothing to compare against; not ours to count
+                    try:
+                        status, answer = await _ask(session, self.vllm.url, body)
+                    except (TimeoutError, aiohttp.ClientError) as exc:
+                        status = type(exc).__name__
+                    if status != 200:  # the engine alone failed: nothing to compare against; not ours to count
+                        self.engine_alone_failures[str(status)] += 1
                         continue
                     self.references[key] = answer
                 record = {"id": f"gateway-{n}", "node": "gateway", "items": items, "start": round(soak.now(), 3),

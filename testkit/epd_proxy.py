@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+from gateway.config import ENGINE_KEEPALIVE_S
 
 IMAGE_PARTS = {"image_url", "image_embeds"}
 
@@ -38,7 +40,9 @@ def encoder_request(body: dict) -> dict:
 
 def build_app(encoder_url: str, engine_url: str) -> web.Application:
     async def on_startup(app: web.Application) -> None:
-        app["session"] = ClientSession(timeout=ClientTimeout(total=3600))
+        app["session"] = ClientSession(
+            connector=TCPConnector(keepalive_timeout=ENGINE_KEEPALIVE_S), timeout=ClientTimeout(total=3600)
+        )
 
     async def on_cleanup(app: web.Application) -> None:
         await app["session"].close()

@@ -178,6 +178,36 @@ async def test_engine_down_is_502(encoder):
     assert "is unreachable" in reply["error"]["message"]
 
 
+async def test_an_idle_engine_connection_is_not_reused_after_the_keepalive(encoder):
+    """vLLM closes a connection idle for 5 s, and a request written on it as it closes fails with
+    ServerDisconnectedError. The gateway drops idle engine connections sooner (--engine-keepalive): after a
+    pause longer than that, the request goes out on a new connection; back to back, requests share one."""
+    peer_ports = []
+
+    async def completions(request):
+        peer_ports.append(request.transport.get_extra_info("peername")[1])
+        return web.json_response({"choices": []})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    engine_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    body = chat_request("m", [image_part(image_bytes(64, 64))])
+    try:
+        async with running_gateway(engine_url, [encoder], engine_keepalive_s=0.3) as url:
+            for pause in (0, 0.6, 0):
+                await asyncio.sleep(pause)
+                status, _, _ = await post(url, body)
+                assert status == 200
+    finally:
+        await runner.cleanup()
+    first, after_the_pause, back_to_back = peer_ports
+    assert after_the_pause != first, "a connection idle past --engine-keepalive was reused"
+    assert back_to_back == after_the_pause, "back-to-back engine calls did not share a pooled connection"
+
+
 @contextlib.asynccontextmanager
 async def image_site(png: bytes):
     """An HTTP server on 127.0.0.1 serving /image.png and /redirect (to it)."""
