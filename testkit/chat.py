@@ -9,6 +9,19 @@ MAX_TOKENS = 8
 TOP_LOGPROBS = 5
 
 
+def engine_session(timeout_s: float = 600):
+    """An aiohttp session for engines and gateways: `timeout_s` for a whole request, and idle connections
+    dropped before vLLM's and SGLang's 5 s keep-alive closes them (see gateway.config.ENGINE_KEEPALIVE_S)."""
+    import aiohttp
+
+    from gateway.config import ENGINE_KEEPALIVE_S
+
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(keepalive_timeout=ENGINE_KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    )
+
+
 def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 

@@ -16,6 +16,7 @@ from tests.support.gateway import (
     chat_request,
     complete,
     engine_server,
+    engine_session,
     image_part,
     images,
     logprob_gap,
@@ -48,7 +49,7 @@ async def gateway(vllm, encoders):
 
 @pytest.fixture
 async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with engine_session() as session:
         yield session
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import aiohttp
 import pytest
 import torch
 
@@ -24,6 +23,7 @@ from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launc
 from tests.support.gateway import (
     chat_request,
     complete,
+    engine_session,
     image_part,
     logprob_gap,
     running_gateway,
@@ -124,7 +124,7 @@ async def reference(model_dir, dtype, tmp_path_factory):
         pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
     log_path = tmp_path_factory.mktemp("vllm-alone") / "vllm.log"
     with launch_vllm(model_dir, log_path=log_path, extra_args=engine_args(dtype)) as server:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
+        async with engine_session() as client:
             return {
                 case: await complete(client, server.url, chat_request(MODEL, [image_part(p) for p in pngs]))
                 for case, pngs in CASES.items()
@@ -175,7 +175,7 @@ async def test_same_tokens_as_vllm_alone(model_type, dtype, reference, encoders,
         pytest.skip(MODEL_TYPES[model_type].inline_one_image)
     async with (
         running_gateway(consumer.url, encoders, handoff=handoff) as url,
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session,
+        engine_session() as session,
     ):
         got = await complete(session, url, chat_request(MODEL, [image_part(p) for p in CASES[case]]))
     difference = logprob_gap(got, reference[case])
@@ -188,7 +188,7 @@ async def test_same_tokens_as_vllm_alone(model_type, dtype, reference, encoders,
 async def test_the_zeroed_tower_alone_answers_otherwise(model_type, dtype, reference, consumer):
     """The raw images straight to the consumer (no lease uuid: its own zeroed tower runs): the answers
     differ from vLLM alone's, so the equal answers above came from our encoders' embeddings."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with engine_session() as session:
         for case, pngs in CASES.items():
             got = await complete(session, consumer.url, chat_request(MODEL, [image_part(p) for p in pngs]))
             try:

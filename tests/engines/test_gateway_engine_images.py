@@ -16,6 +16,7 @@ from tests.support.gateway import (
     chat_request,
     complete,
     engine_server,
+    engine_session,
     image_part,
     logprob_gap,
     running_gateway,
@@ -41,7 +42,7 @@ async def reference(default_model_dir, tmp_path_factory):
     Stopped before the blind engine starts (one engine at a time on this machine)."""
     answers, refusals = {}, {}
     with engine_server(default_model_dir, tmp_path_factory.mktemp("vllm-alone"), extra_args=SERVED) as server:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with engine_session() as session:
             for name, data in IMAGES.items():
                 answers[name] = await complete(session, server.url, request(data))
             for name, (data, _) in REFUSED.items():
@@ -78,7 +79,7 @@ async def gateway(request, blind_vllm, encoder):
 
 @pytest.fixture
 async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with engine_session() as session:
         yield session
 
 

@@ -6,7 +6,6 @@ the embedding with its levels and places them in vLLM's encoder cache as vLLM's 
 
 from __future__ import annotations
 
-import aiohttp
 import pytest
 
 from receiver import EncoderReceiver
@@ -18,6 +17,7 @@ from tests.support.gateway import (
     chat_request,
     complete,
     engine_server,
+    engine_session,
     image_part,
     images,
     logprob_gap,
@@ -54,7 +54,7 @@ async def reference(qwen3_model, tmp_path_factory):
     """vLLM alone on the real checkpoint, running its own tower on the raw images: its answer to every case.
     Stopped before the consumer starts (one engine at a time on this machine)."""
     with engine_server(qwen3_model, tmp_path_factory.mktemp("vllm-alone"), extra_args=SERVED) as server:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async with engine_session() as session:
             return {case: await complete(session, server.url, request(case)) for case in CASES}
 
 
@@ -89,7 +89,7 @@ async def test_same_tokens_as_vllm_alone(reference, encoder, consumer, handoff, 
     fetches = encoder.leases.fetches
     async with (
         running_gateway(consumer.url, [encoder.url], handoff=handoff) as url,
-        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session,
+        engine_session() as session,
     ):
         got = await complete(session, url, request(case, stream))
     difference = logprob_gap(got, reference[case])
@@ -104,7 +104,7 @@ async def test_same_tokens_as_vllm_alone(reference, encoder, consumer, handoff, 
 async def test_the_zeroed_tower_alone_answers_otherwise(reference, consumer):
     """The raw images straight to the consumer (no lease uuid: its own zeroed tower runs): the answers
     differ from vLLM alone's, so the equal answers above came from our encoders' embeddings."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with engine_session() as session:
         for case in CASES:
             got = await complete(session, consumer.url, request(case))
             try:

@@ -21,7 +21,7 @@ from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.servers import running_server
 from testkit.sglang_server import SGLANG_PYTHON, launch_sglang, language_only_args
-from tests.support.gateway import TOP_LOGPROBS, data_url, images, logprob_gap
+from tests.support.gateway import TOP_LOGPROBS, data_url, engine_session, images, logprob_gap
 
 pytestmark = pytest.mark.engine
 
@@ -134,7 +134,7 @@ async def answers(default_model_dir, tmp_path_factory):
     async with contextlib.AsyncExitStack() as stack:
         pods = [await stack.enter_async_context(running_server(default_model_dir)) for _ in range(2)]
         session = await stack.enter_async_context(
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+            engine_session(300)
         )
 
         bodies = {**generates, "chat": chat_body}
@@ -220,7 +220,7 @@ async def qwen3_5_answers(tmp_path_factory):
     async with contextlib.AsyncExitStack() as stack:
         pods = [await stack.enter_async_context(running_server(model_dir)) for _ in range(2)]
         session = await stack.enter_async_context(
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+            engine_session(300)
         )
         try:
             alone = await answer_all(session, model_dir, root / "alone.log", bodies, extra_args=QWEN3_5_ARGS)

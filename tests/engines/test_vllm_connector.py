@@ -19,7 +19,15 @@ from receiver import EncoderReceiver
 from testkit.launcher import launch_server
 from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm
-from tests.support.gateway import chat_request, complete, image_part, images, logprob_gap, zeroed_tower_copy
+from tests.support.gateway import (
+    chat_request,
+    complete,
+    engine_session,
+    image_part,
+    images,
+    logprob_gap,
+    zeroed_tower_copy,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -52,7 +60,7 @@ def zeroed_tower_model(default_model_dir, tmp_path_factory):
 
 @pytest.fixture
 async def session():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    async with engine_session() as session:
         yield session
 
 
@@ -69,7 +77,7 @@ async def reference(default_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("vllm-alone") / "vllm.log"
     answers = {}
     with launch_vllm(default_model_dir, log_path=log_path, extra_args=served([])) as server:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as client:
+        async with engine_session() as client:
             for case, pngs in CASES.items():
                 answers[case] = await complete(
                     client, server.url, chat_request(MODEL, [image_part(p) for p in pngs])

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 # The request helpers live in testkit (benchmarks use them too); the gateway tests import them from here.
-from testkit.chat import MAX_TOKENS, TOP_LOGPROBS, chat_request, data_url, image_part  # noqa: F401
+from testkit.chat import MAX_TOKENS, TOP_LOGPROBS, chat_request, data_url, engine_session, image_part  # noqa: F401
 from testkit.images import image_bytes
 from testkit.vllm_server import ENGINES_PYTHON, VllmServer, free_port, launch_vllm
 
