@@ -78,14 +78,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise GatewayError(400, "the request body is not valid JSON") from None
-        engine_body = await service.prepare(body)
+        try:
+            engine_body = await service.prepare(body)
+        except (GatewayError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a defect: answered as OpenAI clients read errors, and logged whole
+            log.exception("chat request failed before the engine call")
+            raise GatewayError(500, f"internal error in the gateway: {type(exc).__name__}: {exc}") from exc
         started = time.perf_counter()
         response = await _forward(request, service, "/v1/chat/completions", engine_body, "POST")
         metrics.engine_seconds.observe(time.perf_counter() - started)
         outcome, status = ("ok" if response.status < 400 else "engine_error"), response.status
         return response
     except GatewayError as error:
-        outcome, status = "refused", error.status
+        outcome, status = ("error" if error.status == 500 else "refused"), error.status
         return _error_response(error)
     except asyncio.CancelledError:
         outcome, status = "cancelled", 499  # the client closed the connection

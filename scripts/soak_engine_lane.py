@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import random
 import subprocess
 import sys
@@ -192,7 +193,11 @@ class EngineLane:
 async def _ask(session, url: str, body: dict) -> tuple[int, object]:
     """(status, the generated token ids on 200, else the error body)."""
     async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
-        payload = await reply.json(content_type=None)
+        text = await reply.text()
+        try:
+            payload = json.loads(text)
+        except ValueError:  # not JSON (aiohttp's own plain-text 500): judged by its status, the text kept
+            payload = text
         if reply.status != 200:
             return reply.status, payload
         steps = payload["choices"][0]["logprobs"]["content"]

@@ -208,6 +208,26 @@ async def test_an_idle_engine_connection_is_not_reused_after_the_keepalive(encod
     assert back_to_back == after_the_pause, "back-to-back engine calls did not share a pooled connection"
 
 
+async def test_a_defect_before_the_engine_call_is_a_json_500_naming_it(encoder, monkeypatch, caplog):
+    """An exception the gateway does not expect is answered as an OpenAI-style error body (not aiohttp's
+    plain-text page), naming the exception, and its traceback is logged; the next request is served."""
+    from gateway.serving import ChatCompletionsService
+
+    async def broken(self, body):
+        raise RuntimeError("a defect")
+
+    body = chat_request("m", [image_part(image_bytes(64, 64))])
+    async with gateway([encoder]) as url:
+        with monkeypatch.context() as patch:
+            patch.setattr(ChatCompletionsService, "prepare", broken)
+            status, _, reply = await post(url, body)
+        assert status == 500
+        assert reply["error"]["message"] == "internal error in the gateway: RuntimeError: a defect", reply
+        assert any(r.exc_info and "before the engine call" in r.getMessage() for r in caplog.records)
+        status, _, reply = await post(url, body)  # prepare works again: as far as the engine, which is down
+        assert status == 502, reply
+
+
 @contextlib.asynccontextmanager
 async def image_site(png: bytes):
     """An HTTP server on 127.0.0.1 serving /image.png and /redirect (to it)."""
