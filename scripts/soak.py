@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -597,6 +598,14 @@ class Soak:
         }
 
 
+def copy_logs(workdir: Path, to: Path) -> None:
+    """Every *.log under the run's directory, to the same place under `to`."""
+    for log in workdir.rglob("*.log"):
+        target = to / log.relative_to(workdir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         serve(sys.argv[2])
@@ -621,11 +630,17 @@ def main() -> None:
     p.add_argument("--engine-preload", metavar="LIB",
                    help="a library vLLM's processes preload (LD_PRELOAD), e.g. libtcmalloc_minimal.so.4")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the summary and the whole history here")
+    p.add_argument("--logs", type=Path, help="copy the run's logs here when it ends, however it ends: each encoder "
+                   "life's, and the engine lane's gateway and vLLM")  # fmt: skip
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp, small_shm_dir(Path(tmp), SHM_TMPFS_BYTES) as (shm_dir, tmpfs):
         os.environ["ENCODER_SHM_DIR"] = str(shm_dir)  # the servers (children) and the receivers
         soak = Soak(args, Path(tmp), shm_dir, tmpfs)
-        summary = asyncio.run(soak.run())
+        try:
+            summary = asyncio.run(soak.run())
+        finally:
+            if args.logs:
+                copy_logs(Path(tmp), args.logs)
         if args.json:
             history = soak.history
             write_json(args.json, {"summary": summary, "requests": history.requests, "faults": history.faults,
