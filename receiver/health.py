@@ -13,10 +13,15 @@ from .channels import EncoderEndpoint
 from .config import FailoverPolicy
 
 
+# Doublings counted at most: 2**64 times any first delay outlasts any cap, and an encoder down for hours
+# fails thousands of probes in a row (2**1024 no longer converts to a float).
+MAX_DOUBLINGS = 64
+
+
 def backoff_s(first_s: float, attempt: int, rng: random.Random, *, spread: float, cap_s: float = math.inf) -> float:
     """How long to wait before try `attempt` + 1: `first_s` doubled per earlier attempt, capped at `cap_s`,
     times a random factor in [1 - spread, 1 + spread] so that callers who failed together do not retry together."""
-    return min(cap_s, first_s * 2 ** (attempt - 1)) * rng.uniform(1 - spread, 1 + spread)
+    return min(cap_s, first_s * 2 ** min(attempt - 1, MAX_DOUBLINGS)) * rng.uniform(1 - spread, 1 + spread)
 
 
 class EncoderHealth:

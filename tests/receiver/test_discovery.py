@@ -15,6 +15,7 @@ from receiver import EncoderReceiver
 from receiver.discovery import DEFAULT_PORT, DnsName, EncoderDiscovery, address_url, parse_encoder_url, resolve_all
 from testkit.images import image_bytes
 from testkit.servers import running_server
+from testkit.vllm_server import free_port
 
 NAME = "encoder-headless.llm.svc.cluster.local"
 URL = f"dns:///{NAME}:50051"
@@ -40,13 +41,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +133,7 @@ async def test_new_pods_get_work_after_a_refresh_and_gone_pods_stop_getting_it(s
 
 async def test_an_unreachable_address_triggers_re_resolution_and_is_left_out(servers, images, baseline):
     a = servers[0]
-    dead = ("127.0.0.1", closed_port())
+    dead = ("127.0.0.1", free_port())  # nothing listens on it
     dead_url = address_url(*dead)
     dns, clock = FakeDns({NAME: [dead, *addresses(a)]}), FakeClock()
     async with receiver(dns, clock, seed=0) as rx:

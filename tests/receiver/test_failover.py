@@ -19,12 +19,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
 from receiver import EncodeFailedError, EncoderReceiver, FailoverPolicy
+from receiver.channels import EncoderEndpoint
+from receiver.health import HealthTracker
 from testkit.encoders import EncoderDouble
 from testkit.fault_proxy import fault_proxy
 from testkit.images import image_bytes
 from testkit.launcher import LaunchedProcess, launch_servers
 from testkit.reference import reference_features
 from testkit.servers import running_server
+from testkit.vllm_server import free_port
 
 SERVICE = "encoder.v1.EncoderService"
 
@@ -183,6 +186,24 @@ def duo(default_model_dir, tmp_path_factory):
     flags = ("--max-queue-items", "8", "--preprocess-workers", "2", "--grace-seconds", "20")
     with launch_servers(default_model_dir, 2, "--dtype", "float32", *flags, log_dir=tmp_path_factory.mktemp("duo")) as procs:
         yield procs
+
+
+async def test_an_encoder_down_for_thousands_of_probes_stays_benched_and_requests_go_on():
+    """A dead encoder in a fixed list fails a probe whenever a request finds no encoder healthy. After
+    1,024 failures in a row its doubling back-off overflowed a float, and every request failed with
+    the OverflowError (an encoder-gateway answered 500s): the back-off must stay capped however long."""
+    endpoint = EncoderEndpoint.connect(f"grpc://127.0.0.1:{free_port()}")
+    policy = FailoverPolicy()
+    tracker = HealthTracker(policy)
+    tracker.of(endpoint).mark_failed("connection refused")
+    try:
+        for _ in range(1100):
+            assert await tracker.usable([endpoint], set(), time.monotonic() + 5) == []
+        health = tracker.of(endpoint)
+        assert health.failures == 1101 and not health.healthy
+        assert 0.8 * policy.max_backoff_s <= health.retry_at - time.monotonic() <= 1.2 * policy.max_backoff_s
+    finally:
+        await endpoint.channel.close()
 
 
 async def test_200_concurrent_requests_each_complete_correctly_or_fail_fast_with_resource_exhausted(duo, small_reference):
