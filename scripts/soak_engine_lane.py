@@ -142,13 +142,11 @@ class EngineLane:
         """Chat requests one after another until the soak stops, each recorded in the soak's history."""
         import aiohttp
 
-        from gateway.config import ENGINE_KEEPALIVE_S
-        from testkit.chat import chat_request, image_part
+        from testkit.chat import chat_request, engine_session, image_part
 
         n = 0
-        timeout = aiohttp.ClientTimeout(total=self.request_deadline_s + self.grace_s)
-        connector = aiohttp.TCPConnector(keepalive_timeout=ENGINE_KEEPALIVE_S)  # the reference asks go to vLLM
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        # The reference asks go to vLLM: idle connections dropped before its keep-alive closes them.
+        async with engine_session(self.request_deadline_s + self.grace_s) as session:
             while not soak.stop.is_set():
                 n += 1
                 items, data = self.request()
