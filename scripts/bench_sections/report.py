@@ -12,10 +12,13 @@ from .transport_items import IN_FLIGHT
 
 TRANSPORT_GOALS = [  # per item size: (name, path in the size's results, target, at least (True) or at most,
     # the key of its ceiling in this run, when `ceilings` knows one)
+    *[(f"stream cached {mode} / bare grpcio {mode}", ("stream_vs_bare_same_mode", f"stream_cached_{mode}"), 0.9, True,
+       None) for mode in ("seq", "x4")],
     *[(f"stream {mode.replace('_', ' ')} / best bare grpcio", ("stream_vs_best_bare", f"stream_{mode}"), 0.9, True,
        None if mode == "cached_x4" else f"stream_{mode}") for mode in ("cached_seq", "cached_x4", "computed_seq", "computed_x4")],
     ("shared memory seq / zmq", ("shm_vs_zmq",), 2.0, True, "shm_seq_vs_zmq"),
     ("shared memory seq / memcpy", ("shm_vs_memcpy",), 0.3, True, None),
+    ("shared memory seq / memcpy", ("shm_vs_memcpy",), 0.1, True, None),
     (f"shared memory x{IN_FLIGHT} / zmq", ("shm_x4_vs_zmq",), 2.0, True, None),
     (f"shared memory x{IN_FLIGHT} / memcpy", ("shm_x4_vs_memcpy",), 0.3, True, None),
     ("shared memory / stream one-item latency", ("shm_latency_vs_stream",), 0.5, False, None),
@@ -82,12 +85,13 @@ def transport_size_rows(size: str, r: dict) -> list[Row]:
           f"of bare {mode.split('_')[1]})"))
         for mode in ("cached_seq", "cached_x4", "computed_seq", "computed_x4")
     ]  # fmt: skip
-    baselines = f"zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} (threads {g['memcpy_threads']:.1f}) GB/s"
+    baselines = (f"zmq {g['zmq']:.2f} / memcpy {g['memcpy']:.1f} (threads {g['memcpy_threads']:.1f}, "
+                 f"from memory {g['memcpy_cold']:.1f}) GB/s")
     rows += [
         (f"shared memory {size} seq", f"ours {g['shm']:.2f} GB/s", baselines,
-         f"{r['shm_vs_zmq']:.2f}x / {r['shm_vs_memcpy']:.2f}x"),
+         f"{r['shm_vs_zmq']:.2f}x / {r['shm_vs_memcpy']:.2f}x ({r['shm_vs_memcpy_cold']:.2f}x)"),
         (f"shared memory {size} x{IN_FLIGHT}", f"ours {g['shm_x4']:.2f} GB/s", baselines,
-         f"{r['shm_x4_vs_zmq']:.2f}x / {r['shm_x4_vs_memcpy']:.2f}x"),
+         f"{r['shm_x4_vs_zmq']:.2f}x / {r['shm_x4_vs_memcpy']:.2f}x ({r['shm_x4_vs_memcpy_cold']:.2f}x)"),
         (f"  one item {size}", f"shared memory {r['shm_latency_ms']:.2f} ms", f"stream {r['stream_latency_ms']:.2f} ms",
          f"{r['shm_latency_vs_stream']:.2f}x"),
         (f"  ceilings {size}", (f"stream seq {c['stream_cached_seq']:.2f}x, computed seq / x{IN_FLIGHT} "

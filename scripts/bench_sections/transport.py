@@ -5,9 +5,11 @@ each goal's baselines set in the same run. docs/performance-dataplane.md describ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -23,9 +25,28 @@ from .profile import MiB
 from .transport_baselines import CONTROL, mooncake_gbps
 from .transport_items import IN_FLIGHT, SMALL, SMALL_TOKENS, TRANSPORT_HIDDEN, item_bytes, request_jpeg
 
+# memcpy_cold: between two turns of one pair of buffers, the others copy this many times the size of
+# the last-level cache, so that no copy finds its bytes there.
+COLD_CACHES = 2
 FLOORS = ("request_ack", "jpeg_decode")  # what `ceilings` is computed from (see TransportRun.floor_ms)
 KINDS = ("bare_seq", "bare_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
-         "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads")  # fmt: skip
+         "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads", "memcpy_cold")  # fmt: skip
+
+
+def cache_bytes() -> int:
+    """The size in bytes of the highest-level cache (Linux's sysfs), 32 MiB where it does not say."""
+    levels = {}
+    for cache in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        with contextlib.suppress(OSError, ValueError):
+            size = (cache / "size").read_text().strip()
+            if size.endswith("K"):
+                levels[int((cache / "level").read_text())] = int(size[:-1]) << 10
+    return levels[max(levels)] if levels else 32 * MiB
+
+
+def cold_pairs(nbytes: int) -> int:
+    """How many pairs of `nbytes` buffers memcpy_cold cycles through."""
+    return -(-COLD_CACHES * cache_bytes() // (2 * nbytes)) + 1
 
 
 async def in_flight(calls: Sequence[Callable[[], Awaitable[None]]], width: int) -> float:
@@ -76,7 +97,11 @@ class TransportRun:
         }
         self.ack = self.bare_channel.unary_unary("/bench.Bare/Ack")
         self.copies = {
-            size: np.random.default_rng(size).integers(0, 256, (2, item_bytes(size)), dtype=np.uint8)
+            size: [np.random.default_rng(size).integers(0, 256, (2, item_bytes(size)), dtype=np.uint8)]
+            for size in sizes
+        }
+        self.cold_copies = {
+            size: [np.ones((2, item_bytes(size)), dtype=np.uint8) for _ in range(cold_pairs(item_bytes(size)))]
             for size in sizes
         }
 
@@ -123,8 +148,9 @@ class TransportRun:
             calls = [self.ours_call(receiver, self.cached_image, size, True)] * n
         elif kind == "zmq":
             return n * nbytes / await asyncio.to_thread(self.zmq_pull, nbytes, n) / 1e9
-        else:  # memcpy: one thread, or split across threads as the server writes a segment
-            return n * nbytes / self.memcpy(size, n, np.copyto if kind == "memcpy" else copy_bytes) / 1e9
+        else:  # memcpy: one thread, split across threads as the server writes a segment, or from memory
+            pairs = (self.cold_copies if kind == "memcpy_cold" else self.copies)[size]
+            return n * nbytes / self.memcpy(pairs, n, copy_bytes if kind == "memcpy_threads" else np.copyto) / 1e9
         return n * nbytes / await in_flight(calls, width) / 1e9
 
     def zmq_pull(self, nbytes: int, n: int) -> float:
@@ -139,11 +165,13 @@ class TransportRun:
             tensor.numpy()[:] = np.frombuffer(frame.buffer, np.uint8)
         return watch.seconds()
 
-    def memcpy(self, size: int, n: int, copy: Callable[[np.ndarray, np.ndarray], None]) -> float:
-        """One host copy into a buffer whose pages are already mapped: the physical limit."""
-        src, dst = self.copies[size]
+    @staticmethod
+    def memcpy(pairs: Sequence[np.ndarray], n: int, copy: Callable[[np.ndarray, np.ndarray], None]) -> float:
+        """Host copies into buffers whose pages are already mapped, each pair of `pairs` in turn: the
+        physical limit (one pair: the copy's bytes stay in the cache from one copy to the next)."""
         watch = Stopwatch()
-        for _ in range(n):
+        for i in range(n):
+            src, dst = pairs[i % len(pairs)]
             copy(dst, src)
         return watch.seconds()
 
@@ -256,6 +284,9 @@ def size_row(
         "shm_vs_memcpy": ratio("shm", "memcpy"),
         "shm_x4_vs_zmq": ratio("shm_x4", "zmq"),
         "shm_x4_vs_memcpy": ratio("shm_x4", "memcpy"),
+        # Against a copy whose bytes come from memory, as a server's copy between calls does.
+        "shm_vs_memcpy_cold": ratio("shm", "memcpy_cold"),
+        "shm_x4_vs_memcpy_cold": ratio("shm_x4", "memcpy_cold"),
         # One-item latency, shared memory over the stream (one call at a time, cached item).
         "shm_latency_vs_stream": ratio("stream_cached_seq", "shm"),
         "shm_latency_ms": 1e3 * item_bytes(size) / 1e9 / median(by["shm"]),
