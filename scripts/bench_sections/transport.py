@@ -101,7 +101,7 @@ class TransportRun:
             for size in sizes
         }
         self.cold_copies = {
-            size: [np.ones((2, item_bytes(size)), dtype=np.uint8) for _ in range(cold_pairs(item_bytes(size)))]
+            size: [np.ones((2, item_bytes(size)), np.uint8) for _ in range(cold_pairs(item_bytes(size)))]
             for size in sizes
         }
 
@@ -150,7 +150,8 @@ class TransportRun:
             return n * nbytes / await asyncio.to_thread(self.zmq_pull, nbytes, n) / 1e9
         else:  # memcpy: one thread, split across threads as the server writes a segment, or from memory
             pairs = (self.cold_copies if kind == "memcpy_cold" else self.copies)[size]
-            return n * nbytes / self.memcpy(pairs, n, copy_bytes if kind == "memcpy_threads" else np.copyto) / 1e9
+            copy = copy_bytes if kind == "memcpy_threads" else np.copyto
+            return n * nbytes / self.memcpy(pairs, n, copy) / 1e9
         return n * nbytes / await in_flight(calls, width) / 1e9
 
     def zmq_pull(self, nbytes: int, n: int) -> float:
