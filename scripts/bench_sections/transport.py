@@ -44,9 +44,9 @@ def cache_bytes() -> int:
     return levels[max(levels)] if levels else 32 * MiB
 
 
-def cold_pairs(nbytes: int) -> int:
-    """How many pairs of `nbytes` buffers memcpy_cold cycles through."""
-    return -(-COLD_CACHES * cache_bytes() // (2 * nbytes)) + 1
+def cold_pairs(nbytes: int, cache: int) -> int:
+    """How many pairs of `nbytes` buffers memcpy_cold cycles through, past a cache of `cache` bytes."""
+    return -(-COLD_CACHES * cache // (2 * nbytes)) + 1
 
 
 async def in_flight(calls: Sequence[Callable[[], Awaitable[None]]], width: int) -> float:
@@ -100,9 +100,10 @@ class TransportRun:
             size: [np.random.default_rng(size).integers(0, 256, (2, item_bytes(size)), dtype=np.uint8)]
             for size in sizes
         }
+        cache = cache_bytes()
         self.cold_copies = {
-            size: [np.ones((2, item_bytes(size)), np.uint8) for _ in range(cold_pairs(item_bytes(size)))]
-            for size in sizes
+            size: [np.ones((2, nbytes), np.uint8) for _ in range(cold_pairs(nbytes, cache))]
+            for size, nbytes in zip(sizes, map(item_bytes, sizes))
         }
 
     async def close(self) -> None:
