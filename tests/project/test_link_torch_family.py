@@ -1,0 +1,49 @@
+"""scripts/link_torch_family.py: the engine venvs share .venv's torch family on disk. Run on this
+interpreter's own environment, it hard-links torch, torchvision, triton and the CUDA libraries into
+another site-packages, and nothing else, so torch imports from there and pip sees it installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import sysconfig
+from importlib.metadata import distribution, distributions
+from pathlib import Path
+
+import pytest
+
+from testkit import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "scripts" / "link_torch_family.py"
+_spec = importlib.util.spec_from_file_location("link_torch_family", SCRIPT)
+link_torch_family = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(link_torch_family)
+
+
+def test_links_the_torch_family_and_nothing_else(tmp_path):
+    if os.stat(tmp_path).st_dev != os.stat(sysconfig.get_paths()["purelib"]).st_dev:
+        pytest.skip("the temporary directory lies on another filesystem than this venv: nothing is linked")
+    target = tmp_path / "site-packages"
+    target.mkdir()
+    assert link_torch_family.link_into(target) >= 3
+
+    linked = {d.metadata["Name"].lower() for d in distributions(path=[str(target)])}
+    assert {"torch", "torchvision", "triton"} <= linked
+    assert all(link_torch_family.in_torch_family(name) for name in linked), linked
+    assert "grpcio" not in linked and "transformers" not in linked
+    for name in ("torch", "torchvision"):
+        here = distribution(name).locate_file(f"{name}/__init__.py")
+        assert os.stat(target / name / "__init__.py").st_ino == os.stat(here).st_ino
+    assert link_torch_family.link_into(target) == 0  # a second run finds everything present
+
+    code = (
+        f"import sys; sys.path.insert(0, {str(target)!r}); import torch; "
+        "print(torch.__file__, torch.ones(2).sum())"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    where, total = run.stdout.split(maxsplit=1)
+    assert Path(where).is_relative_to(target) and total.strip() == "tensor(2.)"
