@@ -47,3 +47,16 @@ def test_links_the_torch_family_and_nothing_else(tmp_path):
     )
     where, total = run.stdout.split(maxsplit=1)
     assert Path(where).is_relative_to(target) and total.strip() == "tensor(2.)"
+
+
+def test_a_distribution_that_fails_to_link_is_taken_back_whole(tmp_path, capsys):
+    if os.stat(tmp_path).st_dev != os.stat(sysconfig.get_paths()["purelib"]).st_dev:
+        pytest.skip("the temporary directory lies on another filesystem than this venv: nothing is linked")
+    target = tmp_path / "site-packages"
+    target.mkdir()
+    (target / "torch").write_text("a file where torch's package directory goes")
+    link_torch_family.link_into(target)
+
+    assert "torch" not in {d.metadata["Name"].lower() for d in distributions(path=[str(target)])}
+    assert not list(target.glob("torch-*.dist-info"))  # nothing half there: pip installs torch whole
+    assert "torch not linked" in capsys.readouterr().err
