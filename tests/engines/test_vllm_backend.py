@@ -9,7 +9,6 @@ is part of every content key (tests/encoder_server/test_cache.py).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -27,7 +26,7 @@ from receiver.vllm_releases import (
     TOWER_BACKEND_VLLM_FROM,
     in_supported_range,
 )
-from testkit import REPO_ROOT
+from testkit import REPO_ROOT, load_script
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.image_set import image_set
@@ -47,16 +46,6 @@ IMAGES = (
 VOCAB = 320  # the 256 byte tokens beside the special tokens at 250-255
 BIG_VOCAB = 600_000  # a ~300 MB language model (embeddings and head, fp32) beside the same ~0.2 MB tower
 ENGINE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "processor_config.json")
-
-
-def _bench_module():
-    """scripts/bench_encode_stage.py, whose vLLM worker is vLLM's own in-process path from bytes to embedding."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_encode_stage", REPO_ROOT / "scripts" / "bench_encode_stage.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _launch(model_dir: Path, log_dir: Path):
@@ -117,7 +106,7 @@ def vllm_server(qwen_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm_reference(qwen_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
     """Each image's embedding as vLLM's own in-process path computes it from the bytes (a full `LLM`)."""
-    bench = _bench_module()
+    bench = load_script("bench_encode_stage")  # its vLLM worker: vLLM's own path from bytes to embedding
     tmp = tmp_path_factory.mktemp("vllm-reference")
     worker = bench.VllmWorker(str(ENGINES_PYTHON), qwen_dir, "float32", threads=1)
     embeddings = {}

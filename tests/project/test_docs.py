@@ -3,7 +3,6 @@ README stays a short front door, and the text points at nothing outside the repo
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import urllib.parse
@@ -11,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from testkit import REPO_ROOT
+from testkit import REPO_ROOT, load_script
 
-_spec = importlib.util.spec_from_file_location("gen_cli_reference", REPO_ROOT / "scripts" / "gen_cli_reference.py")
-gen_cli_reference = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gen_cli_reference)
+gen_cli_reference = load_script("gen_cli_reference")
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -4,7 +4,6 @@ another site-packages, and nothing else, so torch imports from there and pip see
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -15,12 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from testkit import REPO_ROOT
+from testkit import load_script
 
-SCRIPT = REPO_ROOT / "scripts" / "link_torch_family.py"
-_spec = importlib.util.spec_from_file_location("link_torch_family", SCRIPT)
-link_torch_family = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(link_torch_family)
+link_torch_family = load_script("link_torch_family")
 
 
 @pytest.fixture
