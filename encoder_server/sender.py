@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
 from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 import grpc
 
@@ -86,22 +87,20 @@ class ItemSender:
         )
 
     async def _write(self, message: pb.EncodeResponse | bytes) -> None:
-        """Hands one message to gRPC. The write runs as its own task: when the budget cuts the stream
-        (cancelling this call), the message stays inside gRPC, and the charge follows it (StreamCut)."""
+        """Hands one message to gRPC. The write goes on by itself (PendingWrite): when the budget cuts the
+        stream (cancelling this call), the message stays inside gRPC, and the charge follows it (StreamCut)."""
         charge = self.charge
         # When it began waiting for the receiver: the budget's watchdog cuts a stream stuck too long.
         charge.sending_since = time.monotonic()
-        write = asyncio.ensure_future(self.context.write(message))
+        write = PendingWrite(self.context.write(message))
         try:
-            await asyncio.shield(write)
+            await write.done
         except asyncio.CancelledError:
             if charge.cut_why is None:  # the call itself was cancelled: its receiver went
                 write.cancel()
                 raise
-            # It fails once the receiver goes: expected, and retrieved whoever still waits on it then.
-            write.add_done_callback(_retrieve)
             nbytes = len(message) if isinstance(message, bytes) else message.ByteSize()
-            raise StreamCut(write, nbytes, charge.cut_why) from None
+            raise StreamCut(write.finished(), nbytes, charge.cut_why) from None
         charge.sending_since = None
 
     async def push(
@@ -118,9 +117,63 @@ class ItemSender:
             self.record.item_sent(header, response_bytes=nbytes, stream_s=seconds)
 
 
-def _retrieve(write: asyncio.Future) -> None:
-    if not write.cancelled():
-        write.exception()
+class PendingWrite:
+    """A write's coroutine (`context.write(message)`), stepped from the done callbacks of the futures it
+    awaits instead of run as a task of its own, so that it goes on when its call is cancelled. `done`
+    resolves with the write; cancelling `done` (its call was cut) leaves the write going, and
+    `finished()` tells when gRPC let go of the message; `cancel()` stops the write itself (its call
+    went away). A message costs the event loop two turns this way, against four for a shielded task
+    (docs/performance-dataplane.md)."""
+
+    __slots__ = ("_awaited", "_coro", "_finished", "_loop", "done")
+
+    def __init__(self, coro: Coroutine[Any, Any, None]):
+        self._coro = coro
+        self._loop = asyncio.get_running_loop()
+        self._awaited: asyncio.Future | None = None
+        self._finished: asyncio.Future | None = None
+        self.done = self._loop.create_future()
+        self._step()
+
+    def finished(self) -> asyncio.Future:
+        """A future that resolves once the write is over, whichever way it ended."""
+        if self._finished is None:
+            self._finished = self._loop.create_future()
+            if self._coro is None:
+                self._finished.set_result(None)
+        return self._finished
+
+    def cancel(self) -> None:
+        if self._awaited is not None:
+            self._awaited.cancel()  # the coroutine gets CancelledError where it waits, as a task would
+
+    def _step(self, _: object = None) -> None:
+        try:
+            awaited = self._coro.send(None)
+        except StopIteration:
+            self._end(None)
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - the write's outcome, handed to `done`
+            self._end(exc)
+        else:
+            if awaited is None:  # a bare yield (asyncio.sleep(0)): step again on the next turn
+                self._awaited = None
+                self._loop.call_soon(self._step)
+            else:
+                awaited._asyncio_future_blocking = False
+                self._awaited = awaited
+                awaited.add_done_callback(self._step)
+
+    def _end(self, exc: BaseException | None) -> None:
+        self._coro = self._awaited = None
+        if not self.done.done():  # else its call was cut: nobody waits on it
+            if exc is None:
+                self.done.set_result(None)
+            elif isinstance(exc, asyncio.CancelledError):
+                self.done.cancel()
+            else:
+                self.done.set_exception(exc)
+        if self._finished is not None:
+            self._finished.set_result(None)
 
 
 async def leased_payloads(payloads: Sequence[ItemPayload], charge: StreamCharge) -> AsyncIterator[ItemOut]:
