@@ -30,20 +30,24 @@ class DigestMemo:
         self._entries: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def sha256(self, data: bytes) -> bytes:
-        """The sha256 digest of `data`, from the memo when these very bytes were seen lately."""
+    def sha256(self, data: bytes | memoryview) -> bytes:
+        """The sha256 digest of `data`, from the memo when these very bytes were seen lately (a view is
+        kept as a copy of its bytes: it would keep alive the whole request it points into)."""
         if len(data) > self.max_bytes:
             return hashlib.sha256(data).digest()
         fast = xxhash.xxh3_128_digest(data)
         with self._lock:
             seen = self._entries.get(fast)
-        if seen is not None and seen[0] == data:  # compared outside the lock: ~9 us for 465 KB
+        # Compared outside the lock, by memcmp (~7 us for 465 KB; `==` between bytes and a memoryview
+        # compares element by element, ~50 times slower).
+        if seen is not None and len(seen[0]) == len(data) and seen[0].startswith(data):
             with self._lock:
                 self.hits += 1
                 if fast in self._entries:
                     self._entries.move_to_end(fast)
             return seen[1]
         digest = hashlib.sha256(data).digest()
+        data = bytes(data)
         with self._lock:
             old = self._entries.pop(fast, None)
             if old is not None:

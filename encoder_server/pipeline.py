@@ -60,10 +60,11 @@ class ItemPipeline:
         self._prepare_slots = asyncio.Semaphore(config.preprocess_workers)
 
     async def payloads(
-        self, items: Sequence[pb.ImageItem], charge: StreamCharge
+        self, items: Sequence[pb.ImageItem], charge: StreamCharge, images: Sequence[memoryview | None] = ()
     ) -> AsyncIterator[ItemOut]:
         """Each item's ItemOut (its payload, whether that came from the cache, its content key), in the
         items' order; each payload charged to the call's stream budget (the caller releases it once sent).
+        `images`: per item, its image bytes where the request was parsed without them (EncodeCall).
 
         Raises OverloadedError at once, before any decoding, when the items would not fit beside
         those queued and those still being read or preprocessed: under overload refusals stay fast.
@@ -74,11 +75,12 @@ class ItemPipeline:
         self.check_room(len(items))
         self._preprocessing += len(items)
         if len(items) == 1:  # a lone item needs no task of its own: one turn of the event loop less
-            yield await self._item_out(items[0], charge)
+            yield await self._item_out(items[0], charge, images[0] if images else None)
             return
         # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
         # as its bytes are read, in tasks started in the items' order; they are still yielded in order.
-        tasks = [asyncio.ensure_future(self._item_out(item, charge)) for item in items]
+        images = images or [None] * len(items)
+        tasks = [asyncio.ensure_future(self._item_out(item, charge, image)) for item, image in zip(items, images)]
         for task in tasks:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         try:
@@ -93,7 +95,7 @@ class ItemPipeline:
         those still being read or preprocessed."""
         self.batcher.check_room(num_items + self._preprocessing)
 
-    async def _item_out(self, item: pb.ImageItem, charge: StreamCharge) -> ItemOut:
+    async def _item_out(self, item: pb.ImageItem, charge: StreamCharge, image: memoryview | None) -> ItemOut:
         """An item's payload, charged to the stream budget (a computed one from before its forward).
         Errors name the item."""
         loop = asyncio.get_running_loop()
@@ -101,7 +103,7 @@ class ItemPipeline:
         try:
             source = item.WhichOneof("source")
             if source == "data":
-                data = item.data  # each access copies it
+                data = item.data if image is None else image  # each access of `item.data` copies it
             elif source == "url":
                 data = await self.sources.read(item.url)
             else:

@@ -3,12 +3,16 @@ bounded free-text fields and item counts, each refusal an InvalidItemError namin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from encoder_common.errors import InvalidItemError, UnsupportedModalityError
 from protos import encoder_pb2 as pb
 from protos import sglang_encoder_pb2 as sglang_pb
+from protos import wire
 
 # Free-text fields are bounded: they end up in logs and errors (a 1 MB request id was once accepted
 # and logged). Request ids are UUID-like; URLs other than data: URIs (which carry the image itself
@@ -35,18 +39,36 @@ def parse_message(raw: bytes, message_class: type[Message], *, refuse_unknown: b
     return request
 
 
-def parse_encode_request(raw: bytes, max_request_bytes: int) -> pb.EncodeRequest:
-    """Parses an Encode request: refused over `max_request_bytes` before parsing, and for unknown
-    fields in it or its items, or over-long free-text fields."""
+@dataclass(frozen=True, slots=True)
+class EncodeCall:
+    """An Encode request as parsed: the message, and per item whose source is `data` its image bytes where
+    they arrived in the request (`wire.request_images`; the message's `data` is then empty), else None."""
+
+    request: pb.EncodeRequest
+    images: Sequence[memoryview | None]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def parse_encode_request(raw: bytes, max_request_bytes: int) -> EncodeCall:
+    """Parses an Encode request without copying its images: refused over `max_request_bytes` before
+    parsing, and for unknown fields in it or its items, or over-long free-text fields."""
     if len(raw) > max_request_bytes:
         raise InvalidItemError(f"request is {len(raw)} bytes, over the limit of {max_request_bytes}")
-    request = parse_message(raw, pb.EncodeRequest)
+    taken_apart = wire.request_images(raw)
+    request = parse_message(raw if taken_apart is None else taken_apart[0], pb.EncodeRequest)
     for item in request.items:
         unknown = [field.field_number for field in UnknownFieldSet(item)]
         if unknown:
             raise InvalidItemError(f"item {item.index}: fields unknown to this server: numbers {sorted(set(unknown))}")
     check_text_fields(request)
-    return request
+    if taken_apart is None:
+        return EncodeCall(request, [None] * len(request.items))
+    # An image followed by a url is not the item's source: protobuf keeps the last of a oneof.
+    sources = [item.WhichOneof("source") for item in request.items]
+    return EncodeCall(request, [image if source == "data" else None for image, source in zip(taken_apart[1], sources)])
 
 
 def parse_fetch_request(raw: bytes, max_keys: int) -> pb.FetchRequest:

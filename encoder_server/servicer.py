@@ -12,7 +12,7 @@ from protos import wire
 from encoder_common.errors import InvalidItemError, NotFoundError
 
 from . import __version__
-from .request_parsing import check_encode_request, parse_encode_request, parse_fetch_request
+from .request_parsing import EncodeCall, check_encode_request, parse_encode_request, parse_fetch_request
 from .config import ServerConfig
 from .error_edge import error_edge
 from .leases import LeaseStore
@@ -68,7 +68,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         self.leases = leases
         self.streams = streams or StreamBudget(config.streams)
 
-    def parse_Encode(self, raw: bytes) -> pb.EncodeRequest:
+    def parse_Encode(self, raw: bytes) -> EncodeCall:
         return parse_encode_request(raw, self.config.max_request_bytes)
 
     def parse_Fetch(self, raw: bytes) -> pb.FetchRequest:
@@ -78,9 +78,10 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         return self.info
 
     @error_edge
-    async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Encode(self, call: EncodeCall, context: grpc.aio.ServicerContext) -> None:
         """Streams each item's header, then its payload (chunks, or placed by the transport the request
         offered), in the items' order."""
+        request = call.request
         with self.metrics.record(request.request_id, len(request.items), context) as record:
             check_encode_request(request, self.config.max_items_per_request)
             lease = request.lease if request.HasField("lease") else None
@@ -89,7 +90,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             async with self.streams.call(context.peer()) as charge:
                 transport = self.transports.open_call(request)
                 sender = ItemSender(context, charge, record, transport, leases=self.leases, lease=lease)
-                await sender.send_all(self.pipeline.payloads(request.items, charge))
+                await sender.send_all(self.pipeline.payloads(request.items, charge, call.images))
 
     @error_edge
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> None:

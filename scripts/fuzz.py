@@ -95,6 +95,10 @@ def encode_requests() -> list[bytes]:
         pb.EncodeRequest(request_id="r3", items=[url_item]),
     ]
     raw = [r.SerializeToString() for r in requests]
+    # An item whose image comes twice and one whose url follows its image: protobuf keeps the last of each.
+    twice = pb.ImageItem(index=2, data=b"first").SerializeToString() + pb.ImageItem(data=image).SerializeToString()
+    replaced = twice + pb.ImageItem(url="data:,x").SerializeToString()
+    raw += [b"".join((bytes((0x12,)), wire._varint(len(item)), item)) for item in (twice, replaced)]
     # As EncoderReceiver frames them: the image bytes appended to a request serialized without them.
     raw.append(wire.encode_request(pb.EncodeRequest(request_id="w"), [(pb.ImageItem(index=0, modality=pb.IMAGE), image)]))
     return raw
@@ -113,8 +117,13 @@ def target_encode_request():
     from encoder_server.request_parsing import check_encode_request, parse_encode_request
 
     def check(raw: bytes) -> None:
-        request = parse_encode_request(raw, MAX_REQUEST_BYTES)
-        check_encode_request(request, MAX_ITEMS)
+        call = parse_encode_request(raw, MAX_REQUEST_BYTES)
+        # The images read where they arrived must be what protobuf itself reads from the same bytes.
+        whole = pb.EncodeRequest.FromString(raw)
+        for item, image, expected in zip(call.request.items, call.images, whole.items):
+            data = item.data if image is None else bytes(image)
+            assert (item.WhichOneof("source"), data) == (expected.WhichOneof("source"), expected.data), item.index
+        check_encode_request(call.request, MAX_ITEMS)
 
     return wire_bytes(encode_requests()), check
 

@@ -59,3 +59,46 @@ def test_encode_request_frames_the_same_message_protobuf_would():
     )
     assert pb.EncodeRequest.FromString(framed) == expected
     assert len(framed) == expected.ByteSize()
+
+
+def _item(*fields: bytes) -> bytes:
+    """An EncodeRequest.items field holding the ImageItem fields given, serialized one after another."""
+    body = b"".join(fields)
+    return bytes((0x12,)) + wire._varint(len(body)) + body
+
+
+def _data(value: bytes) -> bytes:
+    return pb.ImageItem(data=value).SerializeToString()
+
+
+REQUESTS = {
+    "two items": wire.encode_request(
+        pb.EncodeRequest(request_id="r", shm=pb.ShmOffer(probe="p"), lease=pb.Lease(ttl_ms=5)),
+        [(pb.ImageItem(index=i, modality=pb.IMAGE, content_sha256=b"s" * 32), b"\xff" * (i * 200)) for i in range(2)],
+    ),
+    "no image": pb.EncodeRequest(items=[pb.ImageItem(index=0, url="data:,x")]).SerializeToString(),
+    "an image twice": _item(pb.ImageItem(index=3).SerializeToString(), _data(b"first"), _data(b"second" * 50)),
+    "a url after the image": _item(_data(b"image"), pb.ImageItem(url="data:,x").SerializeToString()),
+    "an image after a url": _item(pb.ImageItem(url="data:,x").SerializeToString(), _data(b"image")),
+    "unknown fields": _item(_data(b"image"), b"\x30\x07", b"\x3a\x02zz") + b"\x48\x01" + _item(_data(b"b")),
+    "a key spelled long": b"\x92\x00" + wire._varint(7) + _data(b"image"),
+}
+
+
+@pytest.mark.parametrize("name", REQUESTS)
+def test_request_images_reads_each_image_where_protobuf_reads_it(name):
+    raw = REQUESTS[name]
+    stripped, images = wire.request_images(raw)
+    request, whole = pb.EncodeRequest.FromString(stripped), pb.EncodeRequest.FromString(raw)
+    assert len(images) == len(request.items) == len(whole.items)
+    assert len(stripped) <= len(raw) - sum(len(image) for image in images if image is not None)
+    for item, image in zip(request.items, images):
+        if item.WhichOneof("source") == "data":
+            assert item.data == b"" and image is not None
+            item.data = bytes(image)
+    assert request == whole  # everything else, unknown fields included, parsed as from the whole bytes
+
+
+@pytest.mark.parametrize("raw", [_item(_data(b"image"))[:-1], b"\x12\x05\x1b\x00\x00\x00\x00", b"\x12\xff\xff\xff"])
+def test_request_images_leaves_to_protobuf_what_it_does_not_take_apart(raw):
+    assert wire.request_images(raw) is None  # a cut image, a group, a length past the end
