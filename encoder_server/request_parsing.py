@@ -59,6 +59,9 @@ def parse_encode_request(raw: bytes, max_request_bytes: int) -> EncodeCall:
         raise InvalidItemError(f"request is {len(raw)} bytes, over the limit of {max_request_bytes}")
     taken_apart = wire.request_images(raw)
     request = parse_message(raw if taken_apart is None else taken_apart[0], pb.EncodeRequest)
+    if taken_apart is not None and len(taken_apart[1]) != len(request.items):
+        # Not seen, but a disagreement with protobuf on the items must not move an image to another slot.
+        taken_apart, request = None, parse_message(raw, pb.EncodeRequest)
     for item in request.items:
         unknown = [field.field_number for field in UnknownFieldSet(item)]
         if unknown:
@@ -66,9 +69,15 @@ def parse_encode_request(raw: bytes, max_request_bytes: int) -> EncodeCall:
     check_text_fields(request)
     if taken_apart is None:
         return EncodeCall(request, [None] * len(request.items))
-    # An image followed by a url is not the item's source: protobuf keeps the last of a oneof.
-    sources = [item.WhichOneof("source") for item in request.items]
-    return EncodeCall(request, [image if source == "data" else None for image, source in zip(taken_apart[1], sources)])
+    # An image is an item's source only where protobuf read `data` as the emptied field (the last of the
+    # oneof: a url after it wins).
+    return EncodeCall(
+        request,
+        [
+            image if item.WhichOneof("source") == "data" and not item.data else None
+            for item, image in zip(request.items, taken_apart[1])
+        ],
+    )
 
 
 def parse_fetch_request(raw: bytes, max_keys: int) -> pb.FetchRequest:

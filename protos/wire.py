@@ -1,4 +1,5 @@
-"""The Encode stream's codec: tensors as raw bytes in ~1 MiB chunk messages, parsed without copies.
+"""The Encode stream's codec: tensors as raw bytes in ~1 MiB chunk messages, parsed without copies; and
+an Encode request's images, framed by the receiver and read in place by the server, without copies either.
 
 A chunk is an `EncodeResponse` whose only field is `chunk` (field 2, length-delimited). Its wire
 form is one tag byte, a varint length and the bytes, so the server frames a slice of the tensor's
@@ -110,6 +111,15 @@ def _read_varint(raw: bytes, pos: int, end: int) -> tuple[int, int]:
     raise _Unscannable
 
 
+def _read_key(raw: bytes, pos: int, end: int) -> tuple[int, int]:
+    """A field's key (its number and wire type) and the position after it; a key past 32 bits, which
+    protobuf refuses, is left to protobuf."""
+    key, pos = _read_varint(raw, pos, end)
+    if key >> 32:
+        raise _Unscannable
+    return key, pos
+
+
 def _field_end(raw: bytes, pos: int, end: int, wire_type: int) -> int:
     """Where the value of a field of `wire_type` that starts at `pos` ends."""
     if wire_type == 0:
@@ -130,7 +140,7 @@ def _item_without_data(raw: bytes, start: int, end: int) -> tuple[bytes, memoryv
     one protobuf keeps); None when it has no `data`."""
     pieces, kept, pos, last = [], start, start, None
     while pos < end:
-        key, value = _read_varint(raw, pos, end)
+        key, value = _read_key(raw, pos, end)
         pos = _field_end(raw, value, end, key & 7)
         if key == _DATA_TAG:
             image = _read_varint(raw, value, end)[1]
@@ -153,7 +163,7 @@ def request_images(raw: bytes) -> tuple[bytes, list[memoryview | None]] | None:
     try:
         pieces, images, kept, pos, end = [], [], 0, 0, len(raw)
         while pos < end:
-            key, value = _read_varint(raw, pos, end)
+            key, value = _read_key(raw, pos, end)
             field_end = _field_end(raw, value, end, key & 7)
             if key == _ITEMS_TAG:
                 item = _item_without_data(raw, _read_varint(raw, value, end)[1], field_end)

@@ -102,3 +102,9 @@ def test_request_images_reads_each_image_where_protobuf_reads_it(name):
 @pytest.mark.parametrize("raw", [_item(_data(b"image"))[:-1], b"\x12\x05\x1b\x00\x00\x00\x00", b"\x12\xff\xff\xff"])
 def test_request_images_leaves_to_protobuf_what_it_does_not_take_apart(raw):
     assert wire.request_images(raw) is None  # a cut image, a group, a length past the end
+
+
+def test_request_images_leaves_a_key_past_32_bits_to_protobuf():
+    # Five varint bytes hold 35 bits: a key whose low bits say "items" but which protobuf refuses.
+    raw = bytes((0x92, 0x80, 0x80, 0x80, 0x10)) + wire._varint(7) + _data(b"image")
+    assert wire.request_images(raw) is None
