@@ -60,7 +60,10 @@ class ItemPipeline:
         self._prepare_slots = asyncio.Semaphore(config.preprocess_workers)
 
     async def payloads(
-        self, items: Sequence[pb.ImageItem], charge: StreamCharge, images: Sequence[memoryview | None] = ()
+        self,
+        items: Sequence[pb.ImageItem],
+        charge: StreamCharge,
+        images: Sequence[memoryview | None] | None = None,
     ) -> AsyncIterator[ItemOut]:
         """Each item's ItemOut (its payload, whether that came from the cache, its content key), in the
         items' order; each payload charged to the call's stream budget (the caller releases it once sent).
@@ -74,13 +77,15 @@ class ItemPipeline:
             return
         self.check_room(len(items))
         self._preprocessing += len(items)
+        images = images or [None] * len(items)
         if len(items) == 1:  # a lone item needs no task of its own: one turn of the event loop less
-            yield await self._item_out(items[0], charge, images[0] if images else None)
+            yield await self._item_out(items[0], charge, images[0])
             return
         # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
         # as its bytes are read, in tasks started in the items' order; they are still yielded in order.
-        images = images or [None] * len(items)
-        tasks = [asyncio.ensure_future(self._item_out(item, charge, image)) for item, image in zip(items, images)]
+        tasks = [
+            asyncio.ensure_future(self._item_out(item, charge, image)) for item, image in zip(items, images)
+        ]
         for task in tasks:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         try:

@@ -181,16 +181,13 @@ def request_images(raw: bytes) -> tuple[bytes, list[memoryview | None]] | None:
 def parse_response(raw: bytes) -> pb.ItemHeader | memoryview:
     """Response deserializer for the receiver: a chunk's payload view, or an item's header."""
     if raw and raw[0] == _CHUNK_TAG:
-        length, offset, shift = 0, 1, 0
-        while offset < len(raw):  # a length cut short falls through to protobuf, which refuses it
-            byte = raw[offset]
-            length |= (byte & 0x7F) << shift
-            offset += 1
-            if byte < 0x80:
-                if offset + length == len(raw):
-                    return memoryview(raw)[offset:]
-                break
-            shift += 7
+        try:
+            length, offset = _read_varint(raw, 1, len(raw))
+        except _Unscannable:
+            pass  # a length cut short falls through to protobuf, which refuses it
+        else:
+            if offset + length == len(raw):
+                return memoryview(raw)[offset:]
     message = pb.EncodeResponse.FromString(raw)
     kind = message.WhichOneof("kind")
     if kind == "chunk":  # a chunk framed some other valid way
