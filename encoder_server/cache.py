@@ -69,6 +69,7 @@ class EmbeddingCache:
         self.hits = 0  # served from the LRU, or from another call's computation
         self.misses = 0  # computations started
         self.evictions = 0
+        self.not_held = 0  # references (`lookup`) it had no payload for
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -76,8 +77,9 @@ class EmbeddingCache:
     def stats(self) -> CacheStats:
         """What the metrics endpoint reports, read at each scrape."""
         return CacheStats(
-            hits=self.hits, misses=self.misses, bytes_held=self.bytes, entries=len(self._entries), evictions=self.evictions
-        )
+            hits=self.hits, misses=self.misses, bytes_held=self.bytes, entries=len(self._entries),
+            evictions=self.evictions, not_held=self.not_held,
+        )  # fmt: skip
 
     def key(self, content_sha256: bytes) -> bytes:
         """The cache key of an image whose bytes hash to `content_sha256`."""
@@ -87,6 +89,19 @@ class EmbeddingCache:
         payload = self._entries.get(key)
         if payload is not None:
             self._entries.move_to_end(key)
+        return payload
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the LRU keeps `key`'s payload now (a lookup that is not counted nor refreshes it)."""
+        return key in self._entries
+
+    def lookup(self, key: bytes) -> ItemPayload | None:
+        """The payload of an item named by reference (its image's sha256), counted as a hit, or None."""
+        payload = self.get(key)
+        if payload is None:
+            self.not_held += 1
+        else:
+            self.hits += 1
         return payload
 
     def put(self, key: bytes, payload: ItemPayload) -> None:

@@ -41,6 +41,7 @@ class CacheStats:
     bytes_held: int
     entries: int
     evictions: int = 0
+    not_held: int = 0  # references to images whose embedding it did not hold
 
 
 class ServerMetrics:
@@ -131,6 +132,11 @@ class _CacheCollector(Collector):
         yield GaugeMetricFamily("encoder_cache_entries", "Items the cache holds", value=stats.entries)
         yield CounterMetricFamily(
             "encoder_cache_evictions", "Items dropped from the cache to make room", value=stats.evictions
+        )
+        yield CounterMetricFamily(
+            "encoder_cache_references_not_held",
+            "Items named by their image's sha256 whose embedding the cache did not hold",
+            value=stats.not_held,
         )
 
 
@@ -234,6 +240,11 @@ class RequestRecord:
         self.items_sent += 1
         self.tokens += header.num_tokens
         self.bytes += response_bytes
+
+    def item_not_held(self) -> None:
+        """An item named by reference was answered `not_held`: no item of the call's count, since its
+        caller sends it again with its bytes."""
+        self.num_items -= 1
 
     def __exit__(self, exc_type, exc, tb) -> None:
         code = self._status(exc)

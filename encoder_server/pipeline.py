@@ -66,7 +66,7 @@ class ItemPipeline:
         images: Sequence[memoryview | None] | None = None,
     ) -> AsyncIterator[ItemOut]:
         """Each item's ItemOut (its payload, whether that came from the cache, its content key), in the
-        items' order; each payload charged to the call's stream budget (the caller releases it once sent).
+        items' order (an item named by reference whose embedding the cache lacks has no payload); each payload charged to the call's stream budget (the caller releases it once sent).
         `images`: per item, its image bytes where the request was parsed without them (EncodeCall).
 
         Raises OverloadedError at once, before any decoding, when the items would not fit beside
@@ -111,33 +111,50 @@ class ItemPipeline:
                 data = item.data if image is None else image  # each access of `item.data` copies it
             elif source == "url":
                 data = await self.sources.read(item.url)
+            elif item.content_sha256:
+                return await self._referenced(item, charge)
             else:
-                raise InvalidItemError("item has neither data nor url")
+                raise InvalidItemError("item has no data, url or content_sha256")
             if len(data) <= INLINE_READ_BYTES:
-                key = self._content_key(item, data)
+                digest = self._digest(item, data)
             else:
-                key = await loop.run_in_executor(self.preprocess_pool, self._content_key, item, data)
+                digest = await loop.run_in_executor(self.preprocess_pool, self._digest, item, data)
+            key = None if self.namespace is None else content_key(self.namespace, digest)
             compute = functools.partial(self._compute, data, admitted, charge, item.index)
             if self.cache is None:
                 return ItemOut(item.index, await compute(), cache_hit=False, key=key)
             payload, hit = await self.cache.get_or_compute(key, compute)
             if hit:  # from the cache, or another call's computation: this stream holds it too
                 await charge.reserve(item.index, payload.nbytes)
-            return ItemOut(item.index, payload, cache_hit=hit, key=key)
+            # While the cache keeps it, the caller may name this image by its sha256 alone (revision 3).
+            held = digest if self.cache.holds(key) else None
+            return ItemOut(item.index, payload, cache_hit=hit, key=key, content_sha256=held)
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
         finally:
             admitted.done()
 
-    def _content_key(self, item: pb.ImageItem, data: bytes) -> bytes | None:
-        """Checks the item's bytes against the content_sha256 it carries, and gives its content key when
-        wanted; on a preprocessing thread unless small."""
+    async def _referenced(self, item: pb.ImageItem, charge: StreamCharge) -> ItemOut:
+        """An item named by its image's sha256 alone: the cache's payload, or an ItemOut without one
+        (not held) when the cache has none (or there is no cache)."""
+        digest = item.content_sha256
+        if len(digest) != 32:
+            raise InvalidItemError(f"content_sha256 is {len(digest)} bytes; a sha256 digest has 32")
+        payload = None if self.cache is None else self.cache.lookup(self.cache.key(digest))
+        if payload is None:
+            return ItemOut(item.index, None)
+        await charge.reserve(item.index, payload.nbytes)
+        return ItemOut(item.index, payload, cache_hit=True, key=self.cache.key(digest), content_sha256=digest)
+
+    def _digest(self, item: pb.ImageItem, data: bytes) -> bytes | None:
+        """The sha256 of the item's bytes, where its content key or the content_sha256 it carries needs
+        it (a mismatch refused); on a preprocessing thread unless small."""
         if self.namespace is None and not item.content_sha256:
             return None
         digest = self.digests.sha256(data)
         if item.content_sha256 and digest != item.content_sha256:
             raise InvalidItemError("content_sha256 does not match the item's bytes")
-        return None if self.namespace is None else content_key(self.namespace, digest)
+        return digest
 
     async def _compute(self, data: bytes, admitted: _Admission, charge: StreamCharge, index: int) -> ItemPayload:
         """Decode, preprocess, forward (batched with other calls' items) and frame one item.

@@ -29,10 +29,11 @@ class ItemOut:
     """What a payload source yields for one item of a call."""
 
     index: int  # the item's index in the call
-    payload: ItemPayload
+    payload: ItemPayload | None  # None: the item named an image by reference, and it is not held
     _: KW_ONLY
     cache_hit: bool = False  # the cache (or another call's computation) had it
     key: bytes | None = None  # its content key; None when nothing wants one
+    content_sha256: bytes | None = None  # its image's sha256 while the cache keeps it, for the header
 
 
 @dataclass(eq=False)
@@ -62,7 +63,13 @@ class ItemSender:
 
     async def _send(self, transport: CallTransport, item: ItemOut) -> None:
         index, payload = item.index, item.payload
+        if payload is None:  # its caller sends the image's bytes again
+            await self._write(pb.EncodeResponse(header=pb.ItemHeader(index=index, not_held=True)))
+            self.record.item_not_held()
+            return
         message = payload.header_message(index, item.cache_hit)
+        if item.content_sha256 is not None:
+            message.header.content_sha256 = item.content_sha256
         lease = self.lease
         if lease is not None:
             message.header.lease.CopyFrom(self.leases.grant(item.key, payload, lease.ttl_ms))

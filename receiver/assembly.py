@@ -102,14 +102,19 @@ class ShardAssembler:
         read_placed: PayloadReader | None = None,
         allocate: Allocator | None = None,
         payloads: bool = True,
+        references: Collection[int] = (),
     ):
+        """`references`: the items sent as their image's sha256 alone, which the server may answer not_held."""
         self.expected = set(expected_indices)
         self.encoder_url = encoder_url
         self.items: dict[int, ItemResult] = {}
         self.read_placed = read_placed
         self.allocate = allocate
         self.payloads = payloads  # False: headers only (payloads withheld under a lease)
+        self.references = set(references)
         self.refetch: list[int] = []  # items placed where they could not be used
+        self.not_held: list[int] = []  # references whose embedding the server did not hold
+        self.digests: dict[int, bytes] = {}  # arrived items' image sha256, where the server keeps them
         self._current: ItemBuffer | None = None
         self._started = time.perf_counter()
 
@@ -124,8 +129,14 @@ class ShardAssembler:
                 raise StreamProtocolError(
                     f"item {message.index} started before item {self._current.header.index} was complete"
                 )
-            if message.index not in self.expected or message.index in self.items or message.index in self.refetch:
-                raise StreamProtocolError(f"unexpected item index {message.index} in the stream")
+            index = message.index
+            if index not in self.expected or index in self.items or index in self.refetch or index in self.not_held:
+                raise StreamProtocolError(f"unexpected item index {index} in the stream")
+            if message.not_held:
+                if index not in self.references:
+                    raise StreamProtocolError(f"item {index}: answered not_held, but it was sent with its bytes")
+                self.not_held.append(index)
+                return None
             if not self.payloads:
                 return self._finish(message, _shape_only(message))
             layout = ItemBuffer.layout(message)  # refused before any segment is touched
@@ -158,6 +169,8 @@ class ShardAssembler:
             stream_ms=(time.perf_counter() - self._started) * 1000,
         )
         self.items[header.index] = result
+        if len(header.content_sha256) == 32:
+            self.digests[header.index] = header.content_sha256
         return result
 
     def missing(self) -> list[int]:

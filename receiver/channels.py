@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -13,6 +13,7 @@ from protos import encoder_pb2 as pb
 from protos import wire
 
 from .config import ClientTls
+from .held_images import HeldImages
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
 SERVICE_NAME = _SERVICE[1:]
@@ -32,12 +33,14 @@ def grpc_target(url: str) -> str:
 @dataclass
 class EncoderEndpoint:
     """One encoder server: its URL, channel, call metadata and the RPCs, Encode reading with protos.wire;
-    `on_load(url, report)` hears the load report each answer carries in its trailing metadata."""
+    `on_load(url, report)` hears the load report each answer carries in its trailing metadata; `held`:
+    the images it said it keeps, named to it by digest."""
 
     url: str
     channel: grpc.aio.Channel
     metadata: tuple[tuple[str, str], ...] = ()
     on_load: Callable[[str, LoadReport], None] | None = None
+    held: HeldImages = field(default_factory=HeldImages)
 
     @classmethod
     def connect(

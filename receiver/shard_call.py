@@ -14,6 +14,7 @@ from encoder_common.errors import SharedMemoryUnavailableError, error_class_for
 from protos import encoder_pb2 as pb
 from protos import wire
 
+from .affinity import content_key
 from .assembly import Allocator, ShardAssembler, StreamProtocolError
 from .channels import EncoderEndpoint
 from .errors import ShardError
@@ -85,17 +86,27 @@ async def encode_shard(
     """One Encode call for `items` ((index, image bytes) pairs) on one encoder.
 
     Returns None when every item arrived, else a ShardError naming the items that did not; an item
-    cut off half-way is dropped whole, so a retry rewrites it from scratch. Items the transport placed
-    where they could not be read are asked for again over the stream.
+    cut off half-way is dropped whole, so a retry rewrites it from scratch. An image the encoder said it
+    keeps goes as its sha256 alone (`endpoint.held`); one it no longer holds is sent again with its
+    bytes. Items the transport placed where they could not be read are asked for again over the stream.
     """
     indices = [index for index, _ in items]
+    keys = {index: content_key(data) for index, data in items}
+    digests = {index: endpoint.held.digest(keys[index]) for index in indices}
     withheld = lease is not None and lease.withhold_payload
     fields = pb.EncodeRequest(request_id=request_id, lease=lease)  # the request but for its items
     read_placed = None if withheld else transport.open_call(fields, endpoint.url)
     request = wire.encode_request(
-        fields, [(pb.ImageItem(index=index, modality=pb.IMAGE), data) for index, data in items]
+        fields,
+        [
+            (pb.ImageItem(index=index, modality=pb.IMAGE, content_sha256=digests[index]), None)
+            if digests[index] is not None
+            else (pb.ImageItem(index=index, modality=pb.IMAGE), data)
+            for index, data in items
+        ],
     )
-    assembler = ShardAssembler(indices, endpoint.url, read_placed, payloads=not withheld)
+    references = [index for index in indices if digests[index] is not None]
+    assembler = ShardAssembler(indices, endpoint.url, read_placed, payloads=not withheld, references=references)
 
     def failed(code: grpc.StatusCode | None, message: str, missing: Sequence[int]) -> ShardError:
         return ShardError(
@@ -107,16 +118,23 @@ async def encode_shard(
         return failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call", indices)
     call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
     failure = await read_call(endpoint, call, assembler, policy, arrived)
+    for index, digest in assembler.digests.items():
+        endpoint.held.held(keys[index], digest)
+    for index in assembler.not_held:
+        endpoint.held.forget(keys[index])  # so that the call again below sends its bytes
     if failure is not None:
         return failed(failure.code, failure.message, assembler.missing())
-    if assembler.refetch:
-        again = [(index, data) for index, data in items if index in assembler.refetch]
-        error = await encode_shard(
-            endpoint, request_id, again, deadline=deadline, policy=policy, arrived=arrived, lease=lease
-        )
-        if error is not None:
-            return error
-    missing = [index for index in assembler.missing() if index not in assembler.refetch]
+    # References the encoder no longer held, with their bytes and the same transport; items placed
+    # where they could not be read, over the stream.
+    for again, via in ((assembler.not_held, transport), (assembler.refetch, STREAM)):
+        if again:
+            error = await encode_shard(
+                endpoint, request_id, [(index, data) for index, data in items if index in again],
+                deadline=deadline, policy=policy, arrived=arrived, transport=via, lease=lease,
+            )  # fmt: skip
+            if error is not None:
+                return error
+    missing = [index for index in assembler.missing() if index not in {*assembler.refetch, *assembler.not_held}]
     if missing:
         return failed(None, "stream ended before these items arrived", missing)
     return None

@@ -101,6 +101,9 @@ def encode_requests() -> list[bytes]:
     raw += [b"".join((bytes((0x12,)), wire._varint(len(item)), item)) for item in (twice, replaced)]
     # As EncoderReceiver frames them: the image bytes appended to a request serialized without them.
     raw.append(wire.encode_request(pb.EncodeRequest(request_id="w"), [(pb.ImageItem(index=0, modality=pb.IMAGE), image)]))
+    # A repeated image named by its sha256 beside one sent with its bytes (revision 3).
+    named = pb.ImageItem(index=0, modality=pb.IMAGE, content_sha256=bytes(range(32)))
+    raw.append(wire.encode_request(pb.EncodeRequest(request_id="n"), [(named, None), (pb.ImageItem(index=1), image)]))
     return raw
 
 

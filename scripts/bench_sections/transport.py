@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from .transport_items import IN_FLIGHT, SMALL, SMALL_TOKENS, TRANSPORT_HIDDEN, i
 # the last-level cache, so that no copy finds its bytes there.
 COLD_CACHES = 2
 FLOORS = ("request_ack", "jpeg_decode")  # what `ceilings` is computed from (see TransportRun.floor_ms)
-KINDS = ("bare_seq", "bare_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
+KINDS = ("bare_seq", "bare_x4", "bare_named_seq", "bare_named_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
          "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads", "memcpy_cold")  # fmt: skip
 
 
@@ -113,9 +114,13 @@ class TransportRun:
         self.zctx.destroy(linger=0)
 
     @staticmethod
-    def bare_request(image: bytes) -> bytes:
-        """The very bytes our receiver sends: the bare server receives the image too."""
-        item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image)
+    def bare_request(image: bytes, *, named: bool = False) -> bytes:
+        """The very bytes our receiver sends: the image, or (`named`) its sha256 alone, as our receiver
+        names an image the encoder said it keeps (docs/wire-protocol.md#image-references-revision-3)."""
+        if named:
+            item = pb.ImageItem(index=0, modality=pb.IMAGE, content_sha256=hashlib.sha256(image).digest())
+        else:
+            item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image)
         return pb.EncodeRequest(request_id="bare", items=[item]).SerializeToString()
 
     @staticmethod
@@ -137,7 +142,8 @@ class TransportRun:
         n, nbytes = self.n_calls[size], item_bytes(size)
         width = IN_FLIGHT if kind.endswith("_x4") else 1
         if kind.startswith("bare"):
-            calls = [self.bare_call(size, self.bare_request(self.cached_image))] * n
+            request = self.bare_request(self.cached_image, named=kind.startswith("bare_named"))
+            calls = [self.bare_call(size, request)] * n
         elif kind.startswith("stream_computed"):
             calls = [
                 self.ours_call(self.stream_rx[size], next(self.fresh[size]), size, False) for _ in range(n)
@@ -188,12 +194,12 @@ class TransportRun:
 
     async def floor_ms(self, kind: str) -> float:
         """Milliseconds of what bounds the goals out of reach, one at a time: "request_ack", a bare
-        grpcio call carrying the 465 KB request and answering two bytes; "jpeg_decode", the request's
-        JPEG decoded as the server decodes it."""
+        grpcio call carrying the request of a cached item (the image named by its sha256) and answering
+        two bytes; "jpeg_decode", the request's JPEG decoded as the server decodes it."""
         from encoder_server.images import decode_image
 
         n = 10 * self.p.rounds
-        request = self.bare_request(self.cached_image)
+        request = self.bare_request(self.cached_image, named=True)
         watch = Stopwatch()
         for _ in range(n):
             if kind == "request_ack":
@@ -281,6 +287,11 @@ def size_row(
         "stream_vs_bare_same_mode": {
             kind: ratio(kind, "bare_x4" if kind.endswith("_x4") else "bare_seq") for kind in streams
         },
+        # A cached item against bare grpcio carrying the very request our receiver sent for it (the
+        # image named by its sha256): the transport alone, the request's size set aside.
+        "stream_vs_bare_same_request": {
+            f"stream_cached_{mode}": ratio(f"stream_cached_{mode}", f"bare_named_{mode}") for mode in ("seq", "x4")
+        },
         # One call at a time, and 4 in flight (pyzmq's PUSH sends its frames back to back).
         "shm_vs_zmq": ratio("shm", "zmq"),
         "shm_vs_memcpy": ratio("shm", "memcpy"),
@@ -309,8 +320,8 @@ def ceilings(nbytes: int, gbps: dict[str, float], floors: dict[str, float]) -> d
       bare grpcio streams one call at a time.
     - stream_computed_x4: bare grpcio with 4 in flight keeps both cores busy on this VM (see
       docs/performance-dataplane.md), so the decoding's CPU adds to it, spread over every core.
-    - shm_seq_vs_zmq: an item placed over gRPC costs at least a call that carries its request, even if
-      its payload moved for free.
+    - shm_seq_vs_zmq: an item placed over gRPC costs at least a call that carries its request (a cached
+      item's: the image named by its sha256), even if its payload moved for free.
     """
     ms = {kind: nbytes / 1e6 / gbps[kind] for kind in ("bare_seq", "bare_x4", "zmq")}  # per item
     best = min(ms["bare_seq"], ms["bare_x4"])

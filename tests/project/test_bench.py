@@ -28,8 +28,8 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     for size in ("7MiB", "32MiB"):
         transport = results["transport"][size]
         assert set(transport["gbps"]) == {
-            "bare_seq", "bare_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
-            "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads", "memcpy_cold",
+            "bare_seq", "bare_x4", "bare_named_seq", "bare_named_x4", "stream_cached_seq", "stream_cached_x4",
+            "stream_computed_seq", "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads", "memcpy_cold",
         }  # fmt: skip
         assert all(value > 0 for value in transport["gbps"].values())
         assert len(transport["stream_vs_best_bare"]) == 4 and all(v > 0 for v in transport["stream_vs_best_bare"].values())
@@ -37,6 +37,7 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         assert transport["shm_x4_vs_zmq"] > 0 and transport["shm_x4_vs_memcpy"] > 0
         assert transport["shm_vs_memcpy_cold"] > 0 and transport["shm_x4_vs_memcpy_cold"] > 0
         assert set(transport["stream_vs_bare_same_mode"]) == set(transport["stream_vs_best_bare"])
+        assert set(transport["stream_vs_bare_same_request"]) == {"stream_cached_seq", "stream_cached_x4"}
         # What no server could pass in this run: decoding only lowers a computed item's ceiling.
         ceilings = transport["ceilings"]
         assert 0 < ceilings["stream_computed_seq"] < ceilings["stream_cached_seq"] <= 1
@@ -55,7 +56,7 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert set(results["image_sizes"]["sizes"]) == {"112x112", "224x224"}
 
     goals = {(goal["goal"], goal["target"]): goal for goal in results["goals"]}  # one ratio may have two targets
-    assert len(goals) == 2 * 12 + 1 + 4 and all(isinstance(goal["met"], bool) for goal in goals.values())
+    assert len(goals) == 2 * 14 + 1 + 4 and all(isinstance(goal["met"], bool) for goal in goals.values())
     assert "goal transport 7 MiB: shared memory x4 / zmq >= 2.0" in run.stdout
     with_ceiling = [goal for goal in goals.values() if "ceiling" in goal]
     assert len(with_ceiling) == 2 * 4 and all(goal["reachable"] == (goal["ceiling"] >= goal["target"]) for goal in with_ceiling)
