@@ -140,11 +140,14 @@ class ItemPipeline:
         digest = item.content_sha256
         if len(digest) != 32:
             raise InvalidItemError(f"content_sha256 is {len(digest)} bytes; a sha256 digest has 32")
-        payload = None if self.cache is None else self.cache.lookup(self.cache.key(digest))
+        if self.cache is None:
+            return ItemOut(item.index, None)
+        key = self.cache.key(digest)
+        payload = self.cache.lookup(key)
         if payload is None:
             return ItemOut(item.index, None)
         await charge.reserve(item.index, payload.nbytes)
-        return ItemOut(item.index, payload, cache_hit=True, key=self.cache.key(digest), content_sha256=digest)
+        return ItemOut(item.index, payload, cache_hit=True, key=key, content_sha256=digest)
 
     def _digest(self, item: pb.ImageItem, data: bytes) -> bytes | None:
         """The sha256 of the item's bytes, where its content key or the content_sha256 it carries needs
