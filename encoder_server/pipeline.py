@@ -66,7 +66,8 @@ class ItemPipeline:
         images: Sequence[memoryview | None] | None = None,
     ) -> AsyncIterator[ItemOut]:
         """Each item's ItemOut (its payload, whether that came from the cache, its content key), in the
-        items' order (an item named by reference whose embedding the cache lacks has no payload); each payload charged to the call's stream budget (the caller releases it once sent).
+        items' order (an item named by reference whose embedding the cache lacks has no payload); each
+        payload charged to the call's stream budget (the caller releases it once sent).
         `images`: per item, its image bytes where the request was parsed without them (EncodeCall).
 
         Raises OverloadedError at once, before any decoding, when the items would not fit beside

@@ -104,7 +104,7 @@ class ShardAssembler:
         payloads: bool = True,
         references: Collection[int] = (),
     ):
-        """`references`: the items sent as their image's sha256 alone, which the server may answer not_held."""
+        """`references`: the items sent as their image's sha256 alone (the server may answer not_held)."""
         self.expected = set(expected_indices)
         self.encoder_url = encoder_url
         self.items: dict[int, ItemResult] = {}
@@ -130,11 +130,12 @@ class ShardAssembler:
                     f"item {message.index} started before item {self._current.header.index} was complete"
                 )
             index = message.index
-            if index not in self.expected or index in self.items or index in self.refetch or index in self.not_held:
+            seen = index in self.items or index in self.refetch or index in self.not_held
+            if index not in self.expected or seen:
                 raise StreamProtocolError(f"unexpected item index {index} in the stream")
             if message.not_held:
                 if index not in self.references:
-                    raise StreamProtocolError(f"item {index}: answered not_held, but it was sent with its bytes")
+                    raise StreamProtocolError(f"item {index}: answered not_held, but it went with its bytes")
                 self.not_held.append(index)
                 return None
             if not self.payloads:

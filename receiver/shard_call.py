@@ -106,7 +106,9 @@ async def encode_shard(
         ],
     )
     references = [index for index in indices if digests[index] is not None]
-    assembler = ShardAssembler(indices, endpoint.url, read_placed, payloads=not withheld, references=references)
+    assembler = ShardAssembler(
+        indices, endpoint.url, read_placed, payloads=not withheld, references=references
+    )
 
     def failed(code: grpc.StatusCode | None, message: str, missing: Sequence[int]) -> ShardError:
         return ShardError(
@@ -134,7 +136,8 @@ async def encode_shard(
             )  # fmt: skip
             if error is not None:
                 return error
-    missing = [index for index in assembler.missing() if index not in {*assembler.refetch, *assembler.not_held}]
+    asked_again = {*assembler.refetch, *assembler.not_held}
+    missing = [index for index in assembler.missing() if index not in asked_again]
     if missing:
         return failed(None, "stream ended before these items arrived", missing)
     return None

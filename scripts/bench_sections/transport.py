@@ -30,8 +30,9 @@ from .transport_items import IN_FLIGHT, SMALL, SMALL_TOKENS, TRANSPORT_HIDDEN, i
 # the last-level cache, so that no copy finds its bytes there.
 COLD_CACHES = 2
 FLOORS = ("request_ack", "jpeg_decode")  # what `ceilings` is computed from (see TransportRun.floor_ms)
-KINDS = ("bare_seq", "bare_x4", "bare_named_seq", "bare_named_x4", "stream_cached_seq", "stream_cached_x4", "stream_computed_seq",
-         "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads", "memcpy_cold")  # fmt: skip
+KINDS = ("bare_seq", "bare_x4", "bare_named_seq", "bare_named_x4", "stream_cached_seq", "stream_cached_x4",
+         "stream_computed_seq", "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads",
+         "memcpy_cold")  # fmt: skip
 
 
 def cache_bytes() -> int:

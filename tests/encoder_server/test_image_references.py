@@ -130,7 +130,7 @@ def test_not_held_for_an_item_sent_with_its_bytes_breaks_the_contract():
     assembler = ShardAssembler([0, 1], "grpc://encoder", references=[1])
     assert assembler.feed(pb.ItemHeader(index=1, not_held=True)) is None and assembler.not_held == [1]
     with pytest.raises(
-        StreamProtocolError, match="item 0: answered not_held, but it was sent with its bytes"
+        StreamProtocolError, match="item 0: answered not_held, but it went with its bytes"
     ):
         assembler.feed(pb.ItemHeader(index=0, not_held=True))
     with pytest.raises(StreamProtocolError, match="unexpected item index 1"):
