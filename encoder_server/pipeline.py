@@ -17,7 +17,7 @@ from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace, content_key
 from .payload import ItemPayload
 from .config import ServerConfig
-from .digests import DigestMemo
+from encoder_common.digests import DigestMemo
 from .models import PreparedImage, VisionEncoder
 from .profiles import PROFILES, PreprocessProfile
 from .sender import ItemOut

@@ -92,7 +92,7 @@ async def encode_shard(
     """
     indices = [index for index, _ in items]
     keys = {index: content_key(data) for index, data in items}
-    digests = {index: endpoint.held.digest(keys[index]) for index in indices}
+    digests = {index: endpoint.held.digest(keys[index], data) for index, data in items}
     withheld = lease is not None and lease.withhold_payload
     fields = pb.EncodeRequest(request_id=request_id, lease=lease)  # the request but for its items
     read_placed = None if withheld else transport.open_call(fields, endpoint.url)

@@ -10,10 +10,10 @@ import grpc
 import pytest
 import torch
 
-from encoder_server import digests
+from encoder_common import digests
 from encoder_server.cache import EmbeddingCache, cache_namespace
 from encoder_server.profiles import PROFILES
-from encoder_server.digests import DigestMemo
+from encoder_common.digests import DigestMemo
 from encoder_server.payload import ItemPayload
 from encoder_server.cli import build_parser
 from encoder_server.models import load_vision_encoder

@@ -16,6 +16,7 @@ from receiver import EncoderReceiver
 from receiver.affinity import content_key
 from receiver.assembly import ShardAssembler, StreamProtocolError
 from receiver.channels import EncoderEndpoint
+from receiver.held_images import HeldImages
 from testkit.images import image_bytes
 from testkit.servers import running_server
 from tests.encoder_server.test_cache import encoder, server  # noqa: F401  (fixtures)
@@ -97,7 +98,7 @@ async def test_the_receiver_names_a_repeated_image_by_digest_and_resends_the_byt
             (await rx.encode(f"alone-{i}", [{"data": image}])).items[0] for i, image in enumerate(images)
         ]
         (endpoint,) = rx.endpoints
-        assert endpoint.held.digest(content_key(images[2])) == hashlib.sha256(images[2]).digest()
+        assert endpoint.held.digest(content_key(images[2]), images[2]) == hashlib.sha256(images[2]).digest()
         repeated = (await rx.encode("repeated", [{"data": images[2]}])).items[0]
         # The image went as its digest: the request holds no image.
         request = pb.EncodeRequest.FromString(requests[-1])
@@ -124,6 +125,21 @@ async def test_references_place_payloads_in_shared_memory_too(default_model_dir,
         again = (await rx.encode("again", [{"data": image}])).items[0]
         assert rx.transfer_stats.items_shm == 2 and len(rx.endpoints[0].held) == 1
     assert again.cache_hit and torch.equal(again.embedding, first.embedding)
+
+
+def test_an_image_is_named_by_a_digest_only_when_its_own_bytes_hash_to_it():
+    """The receiver's key is a fast hash: two images under one key (a collision, crafted or not) must
+    never get each other's embedding."""
+    held = HeldImages(max_entries=2)
+    image, other = image_bytes(30, 30, seed=44), image_bytes(30, 30, seed=45)
+    held.held(b"key", hashlib.sha256(image).digest())
+    assert held.digest(b"key", image) == hashlib.sha256(image).digest()
+    assert held.digest(b"key", other) is None  # its bytes go instead
+    held.held(b"second", hashlib.sha256(other).digest())
+    held.held(b"third", b"3" * 32)  # past two entries: the least recently used ("key") goes
+    assert held.digest(b"key", image) is None and held.digest(b"second", other) is not None
+    held.forget(b"second")
+    assert len(held) == 1 and held.digest(b"second", other) is None
 
 
 def test_not_held_for_an_item_sent_with_its_bytes_breaks_the_contract():
