@@ -20,6 +20,7 @@ from .config import DEFAULT_BALANCE, FailoverPolicy, ReceiverConfig
 from .discovery import EncoderDiscovery, EndpointPool, Resolver
 from .errors import ShardError
 from .health import HealthTracker
+from .held_images import DIGESTS
 from .item_cache import ItemCache
 from .metrics import ReceiverMetrics
 from .affinity import PlacementMemory, content_key
@@ -98,11 +99,12 @@ async def encode_items(
     fleet: Fleet, cache: ItemCache | None, job: EncodeJob, sources: Mapping[int, bytes]
 ) -> None:
     """Puts every item of `sources` (image bytes by index) in `job.results`: from the receiver cache when
-    there is one, else through `encode_with_failover`. Content keys are computed here, once per item,
-    when the cache or affinity placement needs them. Calls that fix counts or ask for a lease bypass
-    the cache: a lease is had only from an encoder that just encoded the item."""
-    keyed = cache is not None or fleet.placement == "affinity"
-    keys = {index: content_key(data) for index, data in sources.items()} if keyed else None
+    there is one, else through `encode_with_failover`. Affinity placement's content keys are computed
+    here, once per item. Calls that fix counts or ask for a lease bypass the cache: a lease is had only
+    from an encoder that just encoded the item."""
+    keys = None
+    if fleet.placement == "affinity":
+        keys = {index: content_key(data) for index, data in sources.items()}
 
     async def encode(indices: Sequence[int], on_item: Callable[[ItemResult], None]) -> None:
         shard = {index: sources[index] for index in indices}
@@ -111,7 +113,10 @@ async def encode_items(
     if cache is None or job.lease is not None or job.num_items_assigned is not None:
         await encode_with_failover(fleet, job, sources, keys)
         return
-    hits, misses = await cache.encode_through(keys, job.results, encode)
+    # The cache keys on each image's sha256 (bytes seen lately confirmed byte for byte instead of hashed):
+    # a fast hash's collision must never hand one image's embedding out for another.
+    digests = {index: DIGESTS.sha256(data) for index, data in sources.items()}
+    hits, misses = await cache.encode_through(digests, job.results, encode)
     fleet.metrics.cache_looked_up(hits, misses, cache.bytes)
     if not misses:
         await asyncio.sleep(0)  # served without any wait: let the other requests' streams in first

@@ -76,6 +76,26 @@ async def test_a_repeated_image_costs_no_rpc_and_stays_correct_when_callers_modi
         assert rx.metrics.snapshot()["cache_bytes"] == rx.cache.bytes > 0
 
 
+async def test_images_that_share_a_fast_hash_never_get_each_others_embedding(pair, monkeypatch):
+    """The cache and the image references key on each image's sha256; the fast hash (xxh3-128) only
+    says where to look, here the same for every image."""
+    import encoder_common.digests
+    import receiver.shard_call
+
+    same = b"same for every image"
+    monkeypatch.setattr(encoder_common.digests.xxhash, "xxh3_128_digest", lambda data: same)
+    monkeypatch.setattr(receiver.shard_call, "content_key", lambda data: same)  # the held digests' key
+    async with EncoderReceiver([pair[0].url], cache_bytes=64 << 20) as rx:
+        first = (await rx.encode("first", [{"data": IMAGES[4]}])).items[0]
+        other = (await rx.encode("other", [{"data": IMAGES[5]}])).items[0]
+        again = (await rx.encode("again", [{"data": IMAGES[5]}, {"data": IMAGES[4]}])).items
+    async with EncoderReceiver([pair[1].url]) as alone:
+        want = (await alone.encode("alone", [{"data": IMAGES[5]}])).items[0]
+    assert not other.receiver_cache_hit and other.embedding.equal(want.embedding)
+    assert not other.embedding.equal(first.embedding)
+    assert again[0].embedding.equal(want.embedding) and again[1].embedding.equal(first.embedding)
+
+
 async def test_concurrent_requests_for_one_new_image_make_one_rpc(pair):
     async with EncoderReceiver([s.url for s in pair], cache_bytes=64 << 20, seed=0) as rx:
         before = len(encoded(pair))
