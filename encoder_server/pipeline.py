@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 
 from protos import encoder_pb2 as pb
+from encoder_common.digests import DigestMemo
 from encoder_common.errors import InvalidItemError, OverloadedError
 from encoder_common.sources import SourceReader
 
@@ -17,7 +18,6 @@ from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace, content_key
 from .payload import ItemPayload
 from .config import ServerConfig
-from encoder_common.digests import DigestMemo
 from .models import PreparedImage, VisionEncoder
 from .profiles import PROFILES, PreprocessProfile
 from .sender import ItemOut
