@@ -96,15 +96,15 @@ async def encode_shard(
     withheld = lease is not None and lease.withhold_payload
     fields = pb.EncodeRequest(request_id=request_id, lease=lease)  # the request but for its items
     read_placed = None if withheld else transport.open_call(fields, endpoint.url)
+    # A held image goes as its digest and no bytes (content_sha256=None leaves the field unset).
     request = wire.encode_request(
         fields,
         [
-            (pb.ImageItem(index=index, modality=pb.IMAGE, content_sha256=digests[index]), None)
-            if digests[index] is not None
-            else (pb.ImageItem(index=index, modality=pb.IMAGE), data)
+            (pb.ImageItem(index=index, modality=pb.IMAGE, content_sha256=digests[index]),
+             None if digests[index] is not None else data)
             for index, data in items
         ],
-    )
+    )  # fmt: skip
     references = [index for index in indices if digests[index] is not None]
     assembler = ShardAssembler(
         indices, endpoint.url, read_placed, payloads=not withheld, references=references
