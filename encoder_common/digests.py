@@ -30,12 +30,14 @@ class DigestMemo:
         self._entries: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def sha256(self, data: bytes | memoryview) -> bytes:
+    def sha256(self, data: bytes | memoryview, fast: bytes | None = None) -> bytes:
         """The sha256 digest of `data`, from the memo when these very bytes were seen lately (a view is
-        kept as a copy of its bytes: it would keep alive the whole request it points into)."""
+        kept as a copy of its bytes: it would keep alive the whole request it points into). `fast`:
+        the bytes' xxh3-128, where the caller has it already (the receiver's content key)."""
         if len(data) > self.max_bytes:
             return hashlib.sha256(data).digest()
-        fast = xxhash.xxh3_128_digest(data)
+        if fast is None:
+            fast = xxhash.xxh3_128_digest(data)
         with self._lock:
             seen = self._entries.get(fast)
         # Compared outside the lock, by memcmp (~7 us for 465 KB; `==` between bytes and a memoryview

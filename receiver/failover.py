@@ -99,12 +99,11 @@ async def encode_items(
     fleet: Fleet, cache: ItemCache | None, job: EncodeJob, sources: Mapping[int, bytes]
 ) -> None:
     """Puts every item of `sources` (image bytes by index) in `job.results`: from the receiver cache when
-    there is one, else through `encode_with_failover`. Affinity placement's content keys are computed
-    here, once per item. Calls that fix counts or ask for a lease bypass the cache: a lease is had only
-    from an encoder that just encoded the item."""
-    keys = None
-    if fleet.placement == "affinity":
-        keys = {index: content_key(data) for index, data in sources.items()}
+    there is one, else through `encode_with_failover`. Each item's content key (`affinity.content_key`:
+    affinity placement's key, the held digests' key, the digest memo's) is computed here, once. Calls
+    that fix counts or ask for a lease bypass the cache: a lease is had only from an encoder that just
+    encoded the item."""
+    keys = {index: content_key(data) for index, data in sources.items()}
 
     async def encode(indices: Sequence[int], on_item: Callable[[ItemResult], None]) -> None:
         shard = {index: sources[index] for index in indices}
@@ -115,7 +114,7 @@ async def encode_items(
         return
     # The cache keys on each image's sha256 (bytes seen lately confirmed byte for byte instead of hashed):
     # a fast hash's collision must never hand one image's embedding out for another.
-    digests = {index: DIGESTS.sha256(data) for index, data in sources.items()}
+    digests = {index: DIGESTS.sha256(data, keys[index]) for index, data in sources.items()}
     hits, misses = await cache.encode_through(digests, job.results, encode)
     fleet.metrics.cache_looked_up(hits, misses, cache.bytes)
     if not misses:
@@ -123,7 +122,7 @@ async def encode_items(
 
 
 async def encode_with_failover(
-    fleet: Fleet, job: EncodeJob, sources: Mapping[int, bytes], keys: Mapping[int, bytes] | None = None
+    fleet: Fleet, job: EncodeJob, sources: Mapping[int, bytes], keys: Mapping[int, bytes]
 ) -> None:
     """Places `sources` (image bytes by item index) on encoders, and re-places those of every failed
     shard, until all are in `job.results`.
@@ -131,13 +130,12 @@ async def encode_with_failover(
     `RequestPlacement` decides what each failure means; this loop runs the calls it plans. Items an
     encoder refused as overloaded wait out their back-off on a timer while the other shards go on.
     Encoders are looked up again (and `dns:` names re-resolved when due) at each placement, so
-    re-placed items can land on pods that just appeared. Under affinity placement `keys` holds each
-    item's content key (`affinity.content_key`).
+    re-placed items can land on pods that just appeared. `keys` holds each item's content key
+    (`affinity.content_key`).
     """
     request_id, deadline, results, lease = job.request_id, job.deadline, job.results, job.lease
     by_content = None
     if fleet.placement == "affinity":
-        keys = keys if keys is not None else {index: content_key(data) for index, data in sources.items()}
         by_content = Affinity(keys, fleet.balance, fleet.load, fleet.memory)
     placement = RequestPlacement(
         request_id, sources, deadline, fleet.policy,
@@ -156,7 +154,7 @@ async def encode_with_failover(
         sent = fleet.load.sending(encoder.url, sum(placement.costs.get(index, 0.0) for index in indices))
         try:
             return await encode_shard(
-                encoder, request_id, items,
+                encoder, request_id, items, keys,
                 deadline=deadline, policy=fleet.policy, arrived=arrived, transport=fleet.transport, lease=lease,
             )  # fmt: skip
         finally:

@@ -34,7 +34,7 @@ class HeldImages:
         """The sha256 to name `data` (whose content key is `key`) by on this encoder, or None: send its
         bytes (not held, or bytes that do not hash to the digest held under their key)."""
         digest = self._digests.get(key)
-        if digest is None or DIGESTS.sha256(data) != digest:
+        if digest is None or DIGESTS.sha256(data, key) != digest:
             return None
         self._digests.move_to_end(key)
         return digest

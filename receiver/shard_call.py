@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -14,7 +14,6 @@ from encoder_common.errors import SharedMemoryUnavailableError, error_class_for
 from protos import encoder_pb2 as pb
 from protos import wire
 
-from .affinity import content_key
 from .assembly import Allocator, ShardAssembler, StreamProtocolError
 from .channels import EncoderEndpoint
 from .errors import ShardError
@@ -76,6 +75,7 @@ async def encode_shard(
     endpoint: EncoderEndpoint,
     request_id: str,
     items: Sequence[tuple[int, bytes]],
+    keys: Mapping[int, bytes],
     *,
     deadline: float,
     policy: FailoverPolicy,
@@ -83,7 +83,8 @@ async def encode_shard(
     transport: ReceiverTransport = STREAM,
     lease: pb.Lease | None = None,
 ) -> ShardError | None:
-    """One Encode call for `items` ((index, image bytes) pairs) on one encoder.
+    """One Encode call for `items` ((index, image bytes) pairs) on one encoder; `keys`: each item's
+    content key (`affinity.content_key`), by index.
 
     Returns None when every item arrived, else a ShardError naming the items that did not; an item
     cut off half-way is dropped whole, so a retry rewrites it from scratch. An image the encoder said it
@@ -91,7 +92,6 @@ async def encode_shard(
     bytes. Items the transport placed where they could not be read are asked for again over the stream.
     """
     indices = [index for index, _ in items]
-    keys = {index: content_key(data) for index, data in items}
     digests = {index: endpoint.held.digest(keys[index], data) for index, data in items}
     withheld = lease is not None and lease.withhold_payload
     fields = pb.EncodeRequest(request_id=request_id, lease=lease)  # the request but for its items
@@ -131,7 +131,7 @@ async def encode_shard(
     for again, via in ((assembler.not_held, transport), (assembler.refetch, STREAM)):
         if again:
             error = await encode_shard(
-                endpoint, request_id, [(index, data) for index, data in items if index in again],
+                endpoint, request_id, [(index, data) for index, data in items if index in again], keys,
                 deadline=deadline, policy=policy, arrived=arrived, transport=via, lease=lease,
             )  # fmt: skip
             if error is not None:
