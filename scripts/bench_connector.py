@@ -27,13 +27,14 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from gateway.handoff import image_embeds_part  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
-from receiver.item_files import create_item_file, map_item_file, new_item_path  # noqa: E402
+from receiver.item_files import create_item_file, map_item_file, new_item_path, sweep_dead  # noqa: E402
 from testkit.bench_harness import Stopwatch, median, write_json  # noqa: E402
 from testkit.fixed_server import fixed_server  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402
 
 TOKENS, HIDDEN = 1024, 3584
 BENCH_PREFIX = "bench-connector"
+ITEM_DIR = Path("/dev/shm")  # where the engine's worker maps an item from
 
 
 async def connector_handoff(rx: EncoderReceiver, round_index: int) -> float:
@@ -42,7 +43,7 @@ async def connector_handoff(rx: EncoderReceiver, round_index: int) -> float:
         f"lease-{round_index}", [{"data": image_bytes(16, 16)}], lease_ms=60_000, withhold_payloads=True
     )
     key = encoded.items[0].lease.key
-    path = new_item_path(Path("/dev/shm"), BENCH_PREFIX)
+    path = new_item_path(ITEM_DIR, BENCH_PREFIX)
     try:
         watch = Stopwatch()
         item = await rx.fetch(
@@ -103,6 +104,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
+    # A run holds its instance's lock file until it exits, as the connector does; the files of runs
+    # that are over are swept here, as the connector sweeps its own at start.
+    sweep_dead(ITEM_DIR, BENCH_PREFIX)
     with fixed_server(TOKENS, HIDDEN) as url:
         figures = asyncio.run(measure(url, args.rounds))
     ms = {name: value * 1000 for name, value in figures["median_s"].items()}
