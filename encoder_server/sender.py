@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
-from dataclasses import KW_ONLY, dataclass
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable, Iterator, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import grpc
@@ -48,6 +49,8 @@ class ItemSender:
     _: KW_ONLY
     leases: LeaseStore | None = None
     lease: pb.LeaseRequest | None = None
+    _messages: Iterator[pb.EncodeResponse | bytes] | None = field(default=None, init=False)  # left to write
+    _writing: pb.EncodeResponse | bytes | None = field(default=None, init=False)  # the message gRPC has now
 
     async def send_all(self, payloads: AsyncIterator[ItemOut]) -> None:
         """Sends every item `payloads` yields, in its order; what the transport placed is handed over
@@ -64,7 +67,7 @@ class ItemSender:
     async def _send(self, transport: CallTransport, item: ItemOut) -> None:
         index, payload = item.index, item.payload
         if payload is None:  # its caller sends the image's bytes again
-            await self._write(pb.EncodeResponse(header=pb.ItemHeader(index=index, not_held=True)))
+            await self._write((pb.EncodeResponse(header=pb.ItemHeader(index=index, not_held=True)),))
             self.record.item_not_held()
             return
         message = payload.header_message(index, item.cache_hit)
@@ -77,12 +80,13 @@ class ItemSender:
         withheld = lease is not None and lease.withhold_payload
         placed = withheld or transport.place(message.header, payload)
         started = time.perf_counter()
-        await self._write(message)
-        if not placed:
+        if placed:
+            await self._write((message,))
+        else:
+            # A connection not known to read gets small first chunks: stalled, it leaves less inside gRPC.
+            chunks = payload.chunks(small_first=not self.charge.reads)
             try:
-                # A connection not known to read gets small first chunks: stalled, it leaves less inside gRPC.
-                for chunk in payload.chunks(small_first=not self.charge.reads):
-                    await self._write(chunk)
+                await self._write(itertools.chain((message,), chunks))
             except BaseException:
                 payload.finish_framing()  # the payload may live on in the cache: not as tensors and chunks
                 raise
@@ -93,21 +97,35 @@ class ItemSender:
             stream_s=time.perf_counter() - started,
         )
 
-    async def _write(self, message: pb.EncodeResponse | bytes) -> None:
-        """Hands one message to gRPC. The write goes on by itself (PendingWrite): when the budget cuts the
-        stream (cancelling this call), the message stays inside gRPC, and the charge follows it (StreamCut)."""
+    async def _write(self, messages: Iterable[pb.EncodeResponse | bytes]) -> None:
+        """Hands `messages` to gRPC one after the other, their writes stepped by a PendingWrite: the call
+        waits once for all of them, and gRPC's completion of one starts the next. When the budget cuts the
+        stream (cancelling this call), the message being written stays inside gRPC, none after it is
+        written, and the charge follows that message (StreamCut)."""
         charge = self.charge
-        # When it began waiting for the receiver: the budget's watchdog cuts a stream stuck too long.
-        charge.sending_since = time.monotonic()
-        write = PendingWrite(self.context.write(message))
+        self._messages = iter(messages)
+        write = PendingWrite(self._write_each())
         try:
             await write.done
         except asyncio.CancelledError:
             if charge.cut_why is None:  # the call itself was cancelled: its receiver went
                 write.cancel()
                 raise
+            self._messages = None  # nothing more is written, and the write no longer holds the payload
+            message = self._writing
             nbytes = len(message) if isinstance(message, bytes) else message.ByteSize()
             raise StreamCut(write.finished(), nbytes, charge.cut_why) from None
+
+    async def _write_each(self) -> None:
+        """Writes what `_messages` has left. While gRPC has a message, this holds that message and no
+        other: a cut stream's write goes on, but its payload can go."""
+        charge = self.charge
+        while self._messages is not None and (message := next(self._messages, None)) is not None:
+            self._writing = message
+            # When it began waiting for the receiver: the budget's watchdog cuts a stream stuck too long.
+            charge.sending_since = time.monotonic()
+            await self.context.write(message)
+        self._messages = None
         charge.sending_since = None
 
     async def push(
@@ -125,12 +143,12 @@ class ItemSender:
 
 
 class PendingWrite:
-    """A write's coroutine (`context.write(message)`), stepped from the done callbacks of the futures it
-    awaits instead of run as a task of its own, so that it goes on when its call is cancelled. `done`
-    resolves with the write; cancelling `done` (its call was cut) leaves the write going, and
-    `finished()` tells when gRPC let go of the message; `cancel()` stops the write itself (its call
-    went away). A message costs the event loop two turns this way, against four for a shielded task
-    (docs/performance-dataplane.md)."""
+    """A write's coroutine (an item's `context.write` calls, one message after the other), stepped from
+    the done callbacks of the futures it awaits instead of run as a task of its own, so that it goes on
+    when its call is cancelled. `done` resolves with the write; cancelling `done` (its call was cut)
+    leaves the write going, and `finished()` tells when it is over; `cancel()` stops the write itself
+    (its call went away). A message costs the event loop one turn this way, and the call's task is woken
+    once per item (docs/performance-dataplane.md)."""
 
     __slots__ = ("_awaited", "_coro", "_finished", "_loop", "done")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import json
 import subprocess
 import sys
@@ -129,6 +130,33 @@ async def test_stalled_streams_are_cut_and_charged_for_what_they_leave_in_grpc_u
     finally:
         for channel in channels:
             await channel.close()
+
+
+async def test_a_cut_stream_lets_its_payload_go_while_its_last_message_stays_inside_grpc(default_model_dir):
+    """Cut streams give their payloads back in memory too, not only in the budget's count: with no cache
+    to keep them, nothing holds the payload of an item whose stream was cut, though the message gRPC
+    was sending stays there until the receiver goes."""
+    limits = StreamLimits(max_bytes=3 * (2 * ITEM_BYTES + CALL_BYTES) + MiB, stall_timeout_s=1.0)
+    double = EncoderDouble(tokens=NUM_TOKENS)
+    async with running_server(
+        default_model_dir, encoder=double, dtype=torch.bfloat16, streams=limits, cache_bytes=0
+    ) as server:
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) for _ in range(2)]
+        try:
+            calls, began = await open_unread(channels, range(100, 102))
+            cut = began["header"]
+            assert cut >= 1 and set(began) <= {"header", "RESOURCE_EXHAUSTED"}, began
+            assert await wait_until(lambda: server.streams.cut_calls == cut, timeout=30)
+            await asyncio.sleep(0.1)  # the cut handlers unwind
+            gc.collect()
+            assert [o for o in gc.get_objects() if type(o) is ItemPayload] == []
+            assert server.streams.held == cut * CUT_RESIDUE  # the messages left inside gRPC, still charged
+            for call in calls:
+                call.cancel()
+            assert await wait_until(lambda: server.streams.held == 0, timeout=30)
+        finally:
+            for channel in channels:
+                await channel.close()
 
 
 async def test_a_connection_that_reads_is_served_from_the_quarter_never_readers_cannot_take(
