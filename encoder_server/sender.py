@@ -117,10 +117,15 @@ class ItemSender:
             raise StreamCut(write.finished(), nbytes, charge.cut_why) from None
 
     async def _write_each(self) -> None:
-        """Writes what `_messages` has left. While gRPC has a message, this holds that message and no
-        other: a cut stream's write goes on, but its payload can go."""
+        """Writes what `_messages` has left, none once the budget has cut the stream. While gRPC has a
+        message, this holds that message and no other: a cut stream's write goes on, but its payload
+        can go."""
         charge = self.charge
-        while self._messages is not None and (message := next(self._messages, None)) is not None:
+        while (
+            self._messages is not None
+            and charge.cut_why is None
+            and (message := next(self._messages, None)) is not None
+        ):
             self._writing = message
             # When it began waiting for the receiver: the budget's watchdog cuts a stream stuck too long.
             charge.sending_since = time.monotonic()
