@@ -15,6 +15,11 @@ from testkit.vllm_server import free_port, serving
 
 SGLANG_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 
+# SGLang's load-report slot files (sglang/srt/managers/load_snapshot.py): its processes die on a signal
+# without unlinking them, so each stopped server would leave its own in /dev/shm.
+SGLANG_SHM = Path("/dev/shm")
+SGLANG_SHM_FILES = "sglang_loads_*"
+
 # SGLang's flags that run its model code on a CPU without SGLang's CPU kernels: the platform stays
 # generic (no SGLANG_USE_CPU_ENGINE), attention in plain torch, no CUDA graphs, a small KV cache
 # (a large one takes seconds to allocate), float32 for exact comparisons.
@@ -57,7 +62,9 @@ def launch_sglang(
     timeout: float = 600.0,
 ) -> Iterator[str]:
     """SGLang's server on 127.0.0.1 with CPU_ARGS, logging to `log_path`; gives its URL once /health
-    answers 200; stopped (its whole process group) on exit."""
+    answers 200; stopped (its whole process group) on exit, and the shared-memory files it made
+    (SGLANG_SHM_FILES) removed."""
+    before = set(SGLANG_SHM.glob(SGLANG_SHM_FILES))
     port = free_port()
     args = [
         str(SGLANG_PYTHON), "-m", "sglang.launch_server", "--model-path", str(model_dir),
@@ -69,5 +76,9 @@ def launch_sglang(
             cwd=log_path.parent, start_new_session=True,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        with serving(process, url, log_path, timeout=timeout, name="SGLang"):
-            yield url
+        try:
+            with serving(process, url, log_path, timeout=timeout, name="SGLang"):
+                yield url
+        finally:
+            for left in set(SGLANG_SHM.glob(SGLANG_SHM_FILES)) - before:
+                left.unlink(missing_ok=True)
