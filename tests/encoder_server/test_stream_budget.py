@@ -77,11 +77,11 @@ LARGER_RESIDUE = CALL_STATE_BYTES + len(
 )
 
 
-def small_budget_server_at(model_dir, stall_timeout_s: float = 4.0):
+def small_budget_server_at(model_dir, stall_timeout_s: float = 4.0, **overrides):
     # Room for three calls computing a 7 MiB item each (the output and its chunks: twice its size).
     limits = StreamLimits(max_bytes=3 * (2 * ITEM_BYTES + CALL_BYTES) + MiB, stall_timeout_s=stall_timeout_s)
     double = EncoderDouble(tokens=NUM_TOKENS)
-    return running_server(model_dir, encoder=double, dtype=torch.bfloat16, streams=limits)
+    return running_server(model_dir, encoder=double, dtype=torch.bfloat16, streams=limits, **overrides)
 
 
 @pytest.fixture
@@ -136,11 +136,7 @@ async def test_a_cut_stream_lets_its_payload_go_while_its_last_message_stays_ins
     """Cut streams give their payloads back in memory too, not only in the budget's count: with no cache
     to keep them, nothing holds the payload of an item whose stream was cut, though the message gRPC
     was sending stays there until the receiver goes."""
-    limits = StreamLimits(max_bytes=3 * (2 * ITEM_BYTES + CALL_BYTES) + MiB, stall_timeout_s=1.0)
-    double = EncoderDouble(tokens=NUM_TOKENS)
-    async with running_server(
-        default_model_dir, encoder=double, dtype=torch.bfloat16, streams=limits, cache_bytes=0
-    ) as server:
+    async with small_budget_server_at(default_model_dir, stall_timeout_s=1.0, cache_bytes=0) as server:
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) for _ in range(2)]
         try:
             calls, began = await open_unread(channels, range(100, 102))
