@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +20,10 @@ from .held_images import HeldImages
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
 SERVICE_NAME = _SERVICE[1:]
 _SCHEMES = {"grpc://": False, "grpcs://": True}
+# How long closing an endpoint waits for the ends of calls whose items all arrived (`hear_end`).
+ENDS_GRACE_S = 2.0
+
+log = logging.getLogger(__name__)
 
 
 def grpc_target(url: str) -> str:
@@ -41,6 +47,7 @@ class EncoderEndpoint:
     metadata: tuple[tuple[str, str], ...] = ()
     on_load: Callable[[str, LoadReport], None] | None = None
     held: HeldImages = field(default_factory=HeldImages)
+    _ends: set[asyncio.Task] = field(default_factory=set, init=False, repr=False)
 
     @classmethod
     def connect(
@@ -103,5 +110,33 @@ class EncoderEndpoint:
         if report is not None and self.on_load is not None:
             self.on_load(self.url, report)
 
+    def hear_end(self, call: grpc.aio.UnaryStreamCall) -> None:
+        """Reads the rest of a call whose every item has arrived, off its caller's path: its status and
+        trailing metadata (the load report), and any message after the last item (a broken contract,
+        logged: the items are whole and already handed on)."""
+        task = asyncio.get_running_loop().create_task(self._read_end(call))
+        self._ends.add(task)
+        task.add_done_callback(self._ends.discard)
+
+    async def _read_end(self, call: grpc.aio.UnaryStreamCall) -> None:
+        try:
+            async for _ in call:
+                log.warning(
+                    "%s: a message after every item of its call had arrived: call cancelled", self.url
+                )
+                call.cancel()
+                return
+        except grpc.aio.AioRpcError as exc:
+            self.heard(exc.trailing_metadata())
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        else:
+            self.heard(await call.trailing_metadata())
+
     async def close(self) -> None:
+        """Closes the channel once the calls still ending (`hear_end`) have ended, or after ENDS_GRACE_S,
+        so that the encoder sees its finished calls complete rather than cancelled."""
+        if self._ends:
+            await asyncio.wait(self._ends, timeout=ENDS_GRACE_S)
         await self.channel.close()

@@ -41,17 +41,24 @@ async def read_call(
 ) -> CallFailure | None:
     """Feeds every message of `call` to `assembler`, handing each finished item to `arrived`.
 
-    Returns None when the stream ended cleanly (the caller checks that nothing is missing). A stream
-    silent for `stall_timeout_s` whose encoder then fails a health probe is cancelled and reported
-    as UNAVAILABLE.
+    Returns None when the stream ended cleanly (the caller checks that nothing is missing), or as soon
+    as the last byte of its last item arrived on the stream: the endpoint reads the end of the call
+    (`EncoderEndpoint.hear_end`) while the items go on. Payloads a transport placed are not taken
+    before the call completes, since the server hands them over only then. A stream silent for
+    `stall_timeout_s` whose encoder then fails a health probe is cancelled and reported as UNAVAILABLE.
     """
     watch = StallWatch(policy, endpoint, call)
+    whole = len(assembler.expected) if assembler.read_placed is None else -1
     try:
         async for message in call:
             watch.last_message = time.monotonic()
             done = assembler.feed(message)
-            if done is not None and arrived is not None:
-                arrived(done)
+            if done is not None:
+                if arrived is not None:
+                    arrived(done)
+                if len(assembler.items) == whole:
+                    endpoint.hear_end(call)
+                    return None
     except grpc.aio.AioRpcError as exc:
         endpoint.heard(exc.trailing_metadata())  # a refusal says how loaded the encoder is, too
         if watch.stalled:
