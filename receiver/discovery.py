@@ -238,7 +238,8 @@ class EndpointPool:
         self._current = [self._endpoints[url] for url in urls]
 
     async def close(self) -> None:
-        """Closes every channel now, cutting calls still running on gone encoders."""
+        """Closes every channel, each once the ends of its finished calls are read (`EncoderEndpoint.close`),
+        cutting calls still running on gone encoders."""
         closing = list(self._closing.values())
         for task in list(self._closing):
             task.cancel()
