@@ -48,7 +48,7 @@ async def read_call(
     `stall_timeout_s` whose encoder then fails a health probe is cancelled and reported as UNAVAILABLE.
     """
     watch = StallWatch(policy, endpoint, call)
-    whole = len(assembler.expected) if assembler.read_placed is None else -1
+    streamed = assembler.read_placed is None  # no payload placed by a transport: whole at the last byte
     try:
         async for message in call:
             watch.last_message = time.monotonic()
@@ -56,7 +56,7 @@ async def read_call(
             if done is not None:
                 if arrived is not None:
                     arrived(done)
-                if len(assembler.items) == whole:
+                if streamed and len(assembler.items) == len(assembler.expected):
                     endpoint.hear_end(call)
                     return None
     except grpc.aio.AioRpcError as exc:

@@ -29,7 +29,6 @@ class HeldOpenEncoder:
     def __init__(self, extra: bool = False):
         self.extra = extra
         self.release = asyncio.Event()
-        self.last_item_sent = asyncio.Event()
         self.ends: list[str] = []
         self.server = grpc.aio.server()
         handler = grpc.unary_stream_rpc_method_handler(self.encode)
@@ -52,7 +51,6 @@ class HeldOpenEncoder:
                     yield chunk
             if self.extra:
                 yield self.header(0)
-            self.last_item_sent.set()
             await self.release.wait()
             context.set_trailing_metadata(LoadReport(queued_work_s=0.25, item_s=0.01).metadata())
         except asyncio.CancelledError:
