@@ -17,6 +17,7 @@ from encoder_common.load_report import LoadReport
 from protos import encoder_pb2 as pb
 from protos import wire
 from receiver import EncoderReceiver
+from testkit.servers import wait_until
 
 HIDDEN, TOKENS = 64, 40
 ENCODE = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
@@ -103,10 +104,7 @@ async def test_the_load_report_of_a_calls_end_is_heard_after_the_result(held_ope
         await receiver.encode("r", [{"data": b"image"}])
         held_open.release.set()
         load = receiver._fleet.load
-        for _ in range(100):
-            if load.queued_s(held_open.url) > 0.1:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: load.queued_s(held_open.url) > 0.1, timeout=2.0)
         assert load.queued_s(held_open.url) == pytest.approx(0.25, abs=0.1)
     assert held_open.ends == ["ok"]
 
@@ -117,9 +115,6 @@ async def test_a_message_past_the_last_item_is_logged_and_ends_the_call(held_ope
     async with EncoderReceiver([held_open.url], transfer="grpc") as receiver:
         (item,) = (await receiver.encode("r", [{"data": b"image"}])).items
         assert torch.equal(item.embedding, torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16))
-        for _ in range(100):
-            if held_open.ends:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: bool(held_open.ends), timeout=2.0)
     assert held_open.ends == ["cancelled"]
     assert "a message after every item of its call had arrived" in caplog.text
