@@ -1,20 +1,24 @@
 """Prometheus metrics of one encoder server, served over HTTP on `--metrics-port`, and the per-call
 accounting (`RequestRecord`) that the servicer's item events feed and that writes each Encode
-call's one log line."""
+call's one log line. What calls send is tallied in plain numbers (`CallTally`) and turned into
+metric families only when scraped: a cached call then costs a few additions instead of a dozen
+locked prometheus_client updates (docs/performance-dataplane.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from protos import encoder_pb2 as pb
@@ -30,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_ITEMS = (1, 2, 4, 8, 16, 32, 64, 128)
+_STAGES = ("queue", "preprocess", "forward", "stream")
 
 
 @dataclass(frozen=True)
@@ -60,31 +65,11 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "encoder_requests", "Encode calls finished, by outcome and gRPC status code", ["outcome", "code"], registry=r
-        )
-        self.items = Counter(
-            "encoder_items", "Items of finished Encode calls, by outcome and gRPC status code", ["outcome", "code"], registry=r
-        )
-        self.tokens = Counter("encoder_tokens", "Embedding rows sent", registry=r)
-        self.bytes_sent = Counter(
-            "encoder_response_bytes", "Bytes of Encode responses of the items sent whole (headers and payload)", registry=r
-        )
-        self.in_flight = Gauge("encoder_requests_in_flight", "Encode calls being served", registry=r)
-        self.queue_depth = Gauge("encoder_queue_items", "Items waiting for a forward", registry=r)
         self.batch_items = Histogram("encoder_batch_items", "Images per forward", buckets=_BATCH_ITEMS, registry=r)
         self.forward_seconds = Histogram("encoder_forward_seconds", "Duration of one forward", buckets=_SECONDS, registry=r)
-        self.item_seconds = Histogram(
-            "encoder_item_stage_seconds",
-            "Per item: time in the queue, in preprocessing (its call's), in its batch's forward, and streaming it",
-            ["stage"],
-            buckets=_SECONDS,
-            registry=r,
-        )
-        # Bound once: looking a label's child up costs more than the observation itself.
-        stages = ("queue", "preprocess", "forward", "stream")
-        self.stage_seconds = {stage: self.item_seconds.labels(stage) for stage in stages}
-        self.items_ok = self.items.labels("ok", "OK")
+        self.queue_depth = Gauge("encoder_queue_items", "Items waiting for a forward", registry=r)
+        self.calls = CallTally()
+        r.register(_CallCollector(self.calls))
         self._cache_stats: Callable[[], CacheStats] | None = None
         self._batcher: Batcher | None = None
         r.register(_CacheCollector(self))
@@ -104,7 +89,7 @@ class ServerMetrics:
         self._batcher = batcher
 
     def record(self, request_id: str, num_items: int, context: grpc.aio.ServicerContext | None = None) -> RequestRecord:
-        return RequestRecord(self, request_id, num_items, context)
+        return RequestRecord(self.calls, request_id, num_items, context)
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics over HTTP in a daemon thread; returns the bound port (port 0 picks one)."""
@@ -116,6 +101,75 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class PlainHistogram:
+    """A histogram's buckets and sum as plain numbers, observed from the event loop's thread."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative counts by upper bound, as the exposition format has them."""
+        bounds = [*map(str, self.bounds), "+Inf"]
+        total, out = 0, []
+        for bound, count in zip(bounds, list(self.counts)):
+            total += count
+            out.append((bound, total))
+        return out
+
+
+class CallTally:
+    """What finished Encode calls sent, kept as plain numbers: a call adds to it from the event loop
+    with no lock and no label lookup, and a scrape (another thread) reads it through _CallCollector.
+    A scrape may see one call's counts half-added; each number on its own is exact."""
+
+    def __init__(self) -> None:
+        self.requests: Counter[tuple[str, str]] = Counter()  # by (outcome, status code name)
+        self.items: Counter[tuple[str, str]] = Counter()
+        self.tokens = 0
+        self.bytes_sent = 0
+        self.in_flight = 0
+        self.stage_seconds = {stage: PlainHistogram(_SECONDS) for stage in _STAGES}
+
+
+class _CallCollector(Collector):
+    def __init__(self, calls: CallTally):
+        self.calls = calls
+
+    def collect(self) -> Iterator:
+        calls = self.calls
+        for name, doc, counts in (
+            ("encoder_requests", "Encode calls finished, by outcome and gRPC status code", calls.requests),
+            ("encoder_items", "Items of finished Encode calls, by outcome and gRPC status code", calls.items),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["outcome", "code"])
+            for labels, count in list(counts.items()):
+                family.add_metric(labels, count)
+            yield family
+        yield CounterMetricFamily("encoder_tokens", "Embedding rows sent", value=calls.tokens)
+        yield CounterMetricFamily(
+            "encoder_response_bytes",
+            "Bytes of Encode responses of the items sent whole (headers and payload)",
+            value=calls.bytes_sent,
+        )
+        yield GaugeMetricFamily("encoder_requests_in_flight", "Encode calls being served", value=calls.in_flight)
+        stages = HistogramMetricFamily(
+            "encoder_item_stage_seconds",
+            "Per item: time in the queue, in preprocessing (its call's), in its batch's forward, and streaming it",
+            labels=["stage"],
+        )
+        for stage, histogram in calls.stage_seconds.items():
+            stages.add_metric([stage], histogram.buckets(), sum_value=histogram.sum)
+        yield stages
 
 
 class _CacheCollector(Collector):
@@ -200,12 +254,13 @@ class MeteredEncoder(VisionEncoder):
 class RequestRecord:
     """One Encode call's accounting, fed by the servicer's events: `item_sent` once per item streamed.
 
-    On exit it counts the call and its items by outcome (items not fully sent take the call's
-    status) and logs the call's one line: request id, status, items, tokens, bytes and timings.
+    On exit it counts the call and its items by outcome in the server's CallTally (items not fully
+    sent take the call's status) and logs the call's one line: request id, status, items, tokens,
+    bytes and timings.
     """
 
-    def __init__(self, metrics: ServerMetrics, request_id: str, num_items: int, context):
-        self.metrics = metrics
+    def __init__(self, calls: CallTally, request_id: str, num_items: int, context):
+        self.calls = calls
         self.request_id = request_id
         self.num_items = num_items
         self.context = context
@@ -219,7 +274,7 @@ class RequestRecord:
         self.bytes = 0
 
     def __enter__(self) -> RequestRecord:
-        self.metrics.in_flight.inc()
+        self.calls.in_flight += 1
         return self
 
     def item_sent(self, header: pb.ItemHeader, *, response_bytes: int, stream_s: float) -> None:
@@ -227,12 +282,11 @@ class RequestRecord:
         its response messages and the seconds from handing its header to gRPC to its last message."""
         timing = header.timing
         queue_s, preprocess_s, forward_s = timing.queue_ms / 1000, timing.preprocess_ms / 1000, timing.forward_ms / 1000
-        stages = self.metrics.stage_seconds
+        stages = self.calls.stage_seconds
         stages["queue"].observe(queue_s)
         stages["preprocess"].observe(preprocess_s)
         stages["forward"].observe(forward_s)
         stages["stream"].observe(stream_s)
-        self.metrics.tokens.inc(header.num_tokens)
         self.preprocess_s = max(self.preprocess_s, preprocess_s)
         self.queue_s = max(self.queue_s, queue_s)
         self.forward_s = max(self.forward_s, forward_s)
@@ -240,6 +294,7 @@ class RequestRecord:
         self.items_sent += 1
         self.tokens += header.num_tokens
         self.bytes += response_bytes
+        self.calls.tokens += header.num_tokens
 
     def item_not_held(self) -> None:
         """An item named by reference was answered `not_held`: no item of the call's count, since its
@@ -248,15 +303,15 @@ class RequestRecord:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         code = self._status(exc)
-        m = self.metrics
-        m.in_flight.dec()
-        m.bytes_sent.inc(self.bytes)
+        calls = self.calls
+        calls.in_flight -= 1
+        calls.bytes_sent += self.bytes
         outcome = outcome_for(code)
-        m.requests.labels(outcome, code.name).inc()
+        calls.requests[outcome, code.name] += 1
         if self.items_sent:
-            m.items_ok.inc(self.items_sent)
+            calls.items["ok", "OK"] += self.items_sent
         if self.num_items > self.items_sent:
-            m.items.labels(outcome, code.name).inc(self.num_items - self.items_sent)
+            calls.items[outcome, code.name] += self.num_items - self.items_sent
         log.info(
             "request %s: %s, %d/%d items, %d tokens, %.2f MB, preprocess %.1f ms, queue %.1f ms, "
             "forward %.1f ms, stream %.1f ms, total %.1f ms",

@@ -49,8 +49,8 @@ class ItemSender:
     _: KW_ONLY
     leases: LeaseStore | None = None
     lease: pb.LeaseRequest | None = None
-    _messages: Iterator[pb.EncodeResponse | bytes] | None = field(default=None, init=False)  # left to write
-    _writing: pb.EncodeResponse | bytes | None = field(default=None, init=False)  # the message gRPC has now
+    _messages: Iterator[bytes] | None = field(default=None, init=False)  # left to write
+    _writing: bytes | None = field(default=None, init=False)  # the message gRPC has now
 
     async def send_all(self, payloads: AsyncIterator[ItemOut]) -> None:
         """Sends every item `payloads` yields, in its order; what the transport placed is handed over
@@ -67,7 +67,8 @@ class ItemSender:
     async def _send(self, transport: CallTransport, item: ItemOut) -> None:
         index, payload = item.index, item.payload
         if payload is None:  # its caller sends the image's bytes again
-            await self._write((pb.EncodeResponse(header=pb.ItemHeader(index=index, not_held=True)),))
+            not_held = pb.EncodeResponse(header=pb.ItemHeader(index=index, not_held=True))
+            await self._write((not_held.SerializeToString(),))
             self.record.item_not_held()
             return
         message = payload.header_message(index, item.cache_hit)
@@ -79,26 +80,27 @@ class ItemSender:
         # No chunks follow a payload withheld for its Fetch, or placed by the call's transport.
         withheld = lease is not None and lease.withhold_payload
         placed = withheld or transport.place(message.header, payload)
+        header = message.SerializeToString()  # once the transport has written where it placed the payload
         started = time.perf_counter()
         if placed:
-            await self._write((message,))
+            await self._write((header,))
         else:
             # A connection not known to read gets small first chunks: stalled, it leaves less inside gRPC.
             chunks = payload.chunks(small_first=not self.charge.reads)
             try:
-                await self._write(itertools.chain((message,), chunks))
+                await self._write(itertools.chain((header,), chunks))
             except BaseException:
                 payload.finish_framing()  # the payload may live on in the cache: not as tensors and chunks
                 raise
         self.charge.release(index)
         self.record.item_sent(
             message.header,
-            response_bytes=message.ByteSize() + (0 if placed else payload.nbytes),
+            response_bytes=len(header) + (0 if placed else payload.nbytes),
             stream_s=time.perf_counter() - started,
         )
 
-    async def _write(self, messages: Iterable[pb.EncodeResponse | bytes]) -> None:
-        """Hands `messages` to gRPC one after the other, their writes stepped by a PendingWrite: the call
+    async def _write(self, messages: Iterable[bytes]) -> None:
+        """Hands `messages` (serialized) to gRPC one after the other, their writes stepped by a PendingWrite: the call
         waits once for all of them, and gRPC's completion of one starts the next. When the budget cuts the
         stream (cancelling this call), the message being written stays inside gRPC, none after it is
         written, and the charge follows that message (StreamCut)."""
@@ -112,9 +114,7 @@ class ItemSender:
                 write.cancel()
                 raise
             self._messages = None  # nothing more is written, and the write no longer holds the payload
-            message = self._writing
-            nbytes = len(message) if isinstance(message, bytes) else message.ByteSize()
-            raise StreamCut(write.finished(), nbytes, charge.cut_why) from None
+            raise StreamCut(write.finished(), len(self._writing), charge.cut_why) from None
 
     async def _write_each(self) -> None:
         """Writes what `_messages` has left, none once the budget has cut the stream. While gRPC has a

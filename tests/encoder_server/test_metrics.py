@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from encoder_common.errors import ERROR_TABLE, outcome_for
 from encoder_server.batcher import BatchingConfig
-from encoder_server.metrics import CacheStats
+from encoder_server.metrics import CacheStats, ServerMetrics
 from encoder_server.models import load_vision_encoder
 from encoder_server.transports.shm import ShmConfig
 from protos import encoder_pb2 as pb
@@ -84,6 +84,35 @@ async def test_scrape_counts_calls_items_tokens_bytes_batches_and_stages(default
     received = [item for result in results for item in result.items]
     assert forward_s >= sum(item.forward_ms for item in received) / 1000 * (1 - 1e-6)
     assert not any(name.startswith("encoder_cache") for name, _ in samples)  # the cache is off
+    for stage in ("queue", "preprocess", "forward", "stream"):
+        assert value(samples, "encoder_item_stage_seconds_bucket", stage=stage, le="+Inf") == 4, stage
+
+
+def test_call_tallies_are_exported_as_prometheus_counters_and_cumulative_histograms():
+    metrics = ServerMetrics()
+    calls = metrics.calls
+    # A bucket holds the values up to and including its bound, as Prometheus's `le` says.
+    for seconds in (0.0005, 0.001, 0.003, 100.0):
+        calls.stage_seconds["stream"].observe(seconds)
+    calls.requests["ok", "OK"] += 3
+    calls.items["invalid", "INVALID_ARGUMENT"] += 2
+    calls.tokens, calls.bytes_sent, calls.in_flight = 1024, 7 << 20, 1
+    samples = parse(generate_latest(metrics.registry).decode())
+
+    stream = {"stage": "stream"}
+    assert value(samples, "encoder_item_stage_seconds_bucket", le="0.001", **stream) == 2
+    assert value(samples, "encoder_item_stage_seconds_bucket", le="0.0025", **stream) == 2
+    assert value(samples, "encoder_item_stage_seconds_bucket", le="0.005", **stream) == 3
+    assert value(samples, "encoder_item_stage_seconds_bucket", le="30.0", **stream) == 3
+    assert value(samples, "encoder_item_stage_seconds_bucket", le="+Inf", **stream) == 4
+    assert value(samples, "encoder_item_stage_seconds_count", **stream) == 4
+    assert value(samples, "encoder_item_stage_seconds_sum", **stream) == pytest.approx(100.0045)
+    assert value(samples, "encoder_item_stage_seconds_count", stage="queue") == 0
+    assert value(samples, "encoder_requests_total", outcome="ok", code="OK") == 3
+    assert value(samples, "encoder_items_total", outcome="invalid", code="INVALID_ARGUMENT") == 2
+    assert value(samples, "encoder_tokens_total") == 1024
+    assert value(samples, "encoder_response_bytes_total") == 7 << 20
+    assert value(samples, "encoder_requests_in_flight") == 1
 
 
 async def raw_encode(url: str, request: pb.EncodeRequest) -> grpc.StatusCode:
