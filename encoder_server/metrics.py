@@ -7,7 +7,6 @@ locked prometheus_client updates (docs/performance-dataplane.md)."""
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import time
 from collections import Counter
@@ -23,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from protos import encoder_pb2 as pb
 from encoder_common.errors import outcome_for, status_for
+from encoder_common.histogram import PlainHistogram
 
 from .models.base import ImageEmbedding, PreparedImage, VisionEncoder
 from .profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile
@@ -101,30 +101,6 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
-
-
-class PlainHistogram:
-    """A histogram's buckets and sum as plain numbers, observed from the event loop's thread."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]):
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
-        self.sum += value
-
-    def buckets(self) -> list[tuple[str, int]]:
-        """Cumulative counts by upper bound, as the exposition format has them."""
-        bounds = [*map(str, self.bounds), "+Inf"]
-        total, out = 0, []
-        for bound, count in zip(bounds, list(self.counts)):
-            total += count
-            out.append((bound, total))
-        return out
 
 
 class CallTally:

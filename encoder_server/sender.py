@@ -100,10 +100,10 @@ class ItemSender:
         )
 
     async def _write(self, messages: Iterable[bytes]) -> None:
-        """Hands `messages` (serialized) to gRPC one after the other, their writes stepped by a PendingWrite: the call
-        waits once for all of them, and gRPC's completion of one starts the next. When the budget cuts the
-        stream (cancelling this call), the message being written stays inside gRPC, none after it is
-        written, and the charge follows that message (StreamCut)."""
+        """Hands `messages` (serialized) to gRPC one after the other, their writes stepped by a
+        PendingWrite: the call waits once for all of them, and gRPC's completion of one starts the next.
+        When the budget cuts the stream (cancelling this call), the message being written stays inside
+        gRPC, none after it is written, and the charge follows that message (StreamCut)."""
         charge = self.charge
         self._messages = iter(messages)
         write = PendingWrite(self._write_each())

@@ -5,12 +5,12 @@ a prefill node reads with `snapshot()`, or exports to Prometheus with `prometheu
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
+
+from encoder_common.histogram import PlainHistogram
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -35,15 +35,13 @@ class ReceiverMetrics:
         self.placements: Counter[str] = Counter()  # items placed, by how: "affinity", "spilled", "re_placed"
         self.cache_lookups: Counter[str] = Counter()  # receiver cache, by outcome: "hit" or "miss"
         self.cache_bytes = 0  # what the receiver cache holds now
-        self.latency_buckets = [0] * (len(LATENCY_BUCKETS_S) + 1)  # the last one is +Inf
-        self.latency_sum_s = 0.0
+        self.latency = PlainHistogram(LATENCY_BUCKETS_S)  # encode calls' seconds
 
     def request_done(self, seconds: float, items: list[Any] | None) -> None:
         """One `encode` call ended: with its ItemResults, or None when it raised."""
         with self._lock:
             self.requests["ok" if items is not None else "error"] += 1
-            self.latency_buckets[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
-            self.latency_sum_s += seconds
+            self.latency.observe(seconds)
             for item in items or ():
                 if item.encoder_url is not None and not item.receiver_cache_hit:
                     self.items_by_encoder[item.encoder_url] += 1
@@ -88,8 +86,8 @@ class ReceiverMetrics:
                 "placements": dict(self.placements),
                 "cache_lookups": dict(self.cache_lookups),
                 "cache_bytes": self.cache_bytes,
-                "latency_count": sum(self.latency_buckets),
-                "latency_sum_s": self.latency_sum_s,
+                "latency_count": self.latency.count,
+                "latency_sum_s": self.latency.sum,
             }
 
     def prometheus_collector(self):
@@ -114,14 +112,12 @@ class ReceiverMetrics:
                             value=metrics.cache_bytes,
                         )  # fmt: skip
                     )
-                    bounds = [*map(str, LATENCY_BUCKETS_S), "+Inf"]
-                    cumulative = list(itertools.accumulate(metrics.latency_buckets))
                     families.append(
                         HistogramMetricFamily(
                             "encoder_receiver_request_seconds",
                             "encode call latency",
-                            buckets=list(zip(bounds, cumulative)),
-                            sum_value=metrics.latency_sum_s,
+                            buckets=metrics.latency.buckets(),
+                            sum_value=metrics.latency.sum,
                         )
                     )
                 yield from families
