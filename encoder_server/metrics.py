@@ -1,8 +1,8 @@
 """Prometheus metrics of one encoder server, served over HTTP on `--metrics-port`, and the per-call
 accounting (`RequestRecord`) that the servicer's item events feed and that writes each Encode
-call's one log line. What calls send is tallied in plain numbers (`CallTally`) and turned into
-metric families only when scraped: a cached call then costs a few additions instead of a dozen
-locked prometheus_client updates (docs/performance-dataplane.md)."""
+call's one log line. What calls send is tallied in plain numbers (`CallTally`), with no lock and no
+label lookup on a call's path, and turned into metric families only when scraped
+(docs/performance-dataplane.md#per-call-accounting-as-plain-numbers)."""
 
 from __future__ import annotations
 
@@ -137,10 +137,13 @@ class _CallCollector(Collector):
             "Bytes of Encode responses of the items sent whole (headers and payload)",
             value=calls.bytes_sent,
         )
-        yield GaugeMetricFamily("encoder_requests_in_flight", "Encode calls being served", value=calls.in_flight)
+        yield GaugeMetricFamily(
+            "encoder_requests_in_flight", "Encode calls being served", value=calls.in_flight
+        )
         stages = HistogramMetricFamily(
             "encoder_item_stage_seconds",
-            "Per item: time in the queue, in preprocessing (its call's), in its batch's forward, and streaming it",
+            "Per item: time in the queue, in preprocessing (its call's), in its batch's forward, "
+            "and streaming it",
             labels=["stage"],
         )
         for stage, histogram in calls.stage_seconds.items():

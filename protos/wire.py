@@ -71,8 +71,8 @@ def framed_size(part_sizes: Sequence[int], chunk_bytes: int = CHUNK_BYTES) -> in
     return total
 
 
-def serialize(message: pb.EncodeResponse | pb.EncodeRequest | bytes) -> bytes:
-    """Serializer for both ends: a message, or bytes framed already (chunks, `encode_request`) untouched."""
+def serialize(message: pb.EncodeRequest | bytes) -> bytes:
+    """The receiver's Encode request serializer: a message, or the bytes of `encode_request` untouched."""
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 

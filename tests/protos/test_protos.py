@@ -40,7 +40,7 @@ def test_chunk_framing_round_trips_through_protobuf_and_the_fast_parser(dtype, r
 
 def test_headers_parse_as_headers():
     header = pb.ItemHeader(index=3, num_tokens=4, grid_thw=[1, 4, 4], hidden_size=8, dtype=pb.BFLOAT16, payload_bytes=64)
-    raw = wire.serialize(pb.EncodeResponse(header=header))
+    raw = pb.EncodeResponse(header=header).SerializeToString()
     assert wire.parse_response(raw) == header
     with pytest.raises(ValueError):
         wire.parse_response(pb.EncodeResponse().SerializeToString())
