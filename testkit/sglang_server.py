@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from testkit import REPO_ROOT
-from testkit.vllm_server import free_port, serving
+from testkit.vllm_server import engine_scratch_env, free_port, serving
 
 SGLANG_PYTHON = REPO_ROOT / ".venv-sglang" / "bin" / "python"
 
@@ -30,9 +30,10 @@ CPU_ARGS = (
 
 
 def sglang_env(**extra: str) -> dict[str, str]:
-    """SGLang's environment: no hub, all of its ZMQ traffic on loopback."""
+    """SGLang's environment: no hub, all of its ZMQ traffic on loopback, its IPC sockets' files in
+    `engine_scratch_env`'s directory."""
     loopback = {"HF_HUB_OFFLINE": "1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
-    return {**os.environ, **loopback, **extra}
+    return {**os.environ, **engine_scratch_env(), **loopback, **extra}
 
 
 def language_only_args(encoder_urls: Sequence[str]) -> tuple[list[str], dict[str, str]]:

@@ -6,11 +6,16 @@ answers 200, on a port chosen before it starts.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import getpass
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,10 +31,27 @@ ENGINES_VENV = REPO_ROOT / os.environ.get("ENGINES_VENV", ".venv-engines")
 ENGINES_PYTHON = ENGINES_VENV / "bin" / "python"
 
 
+@functools.cache
+def engine_scratch_env() -> dict[str, str]:
+    """The temporary directory of every engine process this process starts: one of its own, removed when
+    it exits. vLLM and SGLang name their ZMQ IPC sockets in the temporary directory and leave them there
+    when stopped by a signal, a few per engine started. Torch's compile cache stays where it would be
+    otherwise, shared by engine processes from one run to the next."""
+    compile_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    scratch = tempfile.mkdtemp(prefix="engines-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return {
+        "TMPDIR": scratch,
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(compile_cache)),
+    }
+
+
 def engines_env(**extra: str) -> dict[str, str]:
-    """The environment an engine process runs in: the checkout on PYTHONPATH, no hub, a small CPU KV cache."""
+    """The environment an engine process runs in: the checkout on PYTHONPATH, no hub, a small CPU KV cache,
+    a temporary directory removed with this process (`engine_scratch_env`)."""
     return {
         **os.environ,
+        **engine_scratch_env(),
         "PYTHONPATH": str(REPO_ROOT),
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
