@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import getpass
 import json
 import os
 import shutil
@@ -36,13 +35,15 @@ def engine_scratch_env() -> dict[str, str]:
     """The temporary directory of every engine process this process starts: one of its own, removed when
     it exits. vLLM and SGLang name their ZMQ IPC sockets in the temporary directory and leave them there
     when stopped by a signal, a few per engine started. Torch's compile cache stays where it would be
-    otherwise, shared by engine processes from one run to the next."""
-    compile_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    otherwise (torch's own default, read before TMPDIR changes), shared by engine processes from one run
+    to the next."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     scratch = tempfile.mkdtemp(prefix="engines-")
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     return {
         "TMPDIR": scratch,
-        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(compile_cache)),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()),
     }
 
 
