@@ -83,10 +83,9 @@ class TransportRun:
             size: max(IN_FLIGHT, self.p.transport_bytes // size // IN_FLIGHT * IN_FLIGHT) for size in sizes
         }
         # Computed items need an image no call sent before: one per call of both computed modes, every round.
+        rounds = self.p.transport_rounds
         self.fresh = {
-            size: iter(
-                [request_jpeg(seed) for seed in ctx.seeds.take(2 * self.n_calls[size] * self.p.rounds)]
-            )
+            size: iter([request_jpeg(seed) for seed in ctx.seeds.take(2 * self.n_calls[size] * rounds)])
             for size in sizes
         }
         self.zctx = zmq.Context()
@@ -186,7 +185,7 @@ class TransportRun:
 
     async def small_latency(self, kind: str) -> float:
         """Milliseconds per one-item call of a cached 64-token item (448 KiB), one call at a time."""
-        n = 10 * self.p.rounds
+        n = 10 * self.p.transport_rounds
         if kind == "bare":
             calls = [self.bare_call(SMALL, self.bare_request(self.small_image))] * n
         else:
@@ -199,7 +198,7 @@ class TransportRun:
         two bytes; "jpeg_decode", the request's JPEG decoded as the server decodes it."""
         from encoder_server.images import decode_image
 
-        n = 10 * self.p.rounds
+        n = 10 * self.p.transport_rounds
         request = self.bare_request(self.cached_image, named=True)
         watch = Stopwatch()
         for _ in range(n):
@@ -240,7 +239,7 @@ async def run(ctx: Context) -> dict:
     transport = TransportRun(ctx)
     try:
         await transport.warm_up()
-        runs = await interleaved("dataplane", ctx.profile.rounds, transport.measures())
+        runs = await interleaved("dataplane", ctx.profile.transport_rounds, transport.measures())
         mooncake = {}
         if "mooncake" in ctx.servers:
             mooncake = await mooncake_gbps(
