@@ -155,8 +155,9 @@ def goal_line(g: dict) -> str:
 
 def table(results: dict) -> str:
     lines = aligned_table(("figure", "ours", "baseline (same run)", "ratio"), section_rows(results))
-    load = results["machine"]
-    lines.append(f"ratios: median over {results['profile']['rounds']} rounds of pairs measured in the same round; load average "
+    load, profile = results["machine"], results["profile"]
+    lines.append(f"ratios: median over rounds of pairs measured in the same round ({profile['transport_rounds']} rounds "
+                 f"for the transport rows, {profile['rounds']} for the others); load average "
                  f"{load['load_average_before'][0]:.1f} before, {load['load_average_after'][0]:.1f} after")  # fmt: skip
     lines += [goal_line(g) for g in results.get("goals", [])]
     return "\n".join(lines)
