@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -22,19 +23,43 @@ _helpers_lock = threading.Lock()
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    """`np.copyto(dst, src)` for flat uint8 arrays of one length: a large one in shares of at least
-    SPLIT_FROM / 2 bytes, the calling thread copying the first while helper threads copy the rest."""
-    if len(dst) != len(src):
-        raise ValueError(f"copy of {len(src)} bytes into {len(dst)}")
-    shares = min(MAX_THREADS, len(src) // (SPLIT_FROM // 2))
-    if shares < 2:
-        np.copyto(dst, src)
-        return
-    bounds = [len(src) * i // shares for i in range(shares + 1)]
-    helped = [_pool().submit(np.copyto, dst[a:b], src[a:b]) for a, b in itertools.pairwise(bounds[1:])]
-    np.copyto(dst[: bounds[1]], src[: bounds[1]])
+    """`np.copyto(dst, src)` for flat uint8 arrays of one length, split as `copy_parts` splits it."""
+    copy_parts(dst, [src])
+
+
+def copy_parts(dst: np.ndarray, parts: Sequence[np.ndarray]) -> None:
+    """Copies `parts` (flat uint8 arrays) back to back into `dst`, whose length is theirs together: a
+    large total in shares of at least SPLIT_FROM / 2 bytes, whatever the parts' own sizes (a cached
+    payload's are its 1 MiB chunks), the calling thread copying the first share while helper threads
+    copy the rest."""
+    total = sum(len(part) for part in parts)
+    if len(dst) != total:
+        raise ValueError(f"copy of {total} bytes into {len(dst)}")
+    shares = max(1, min(MAX_THREADS, total // (SPLIT_FROM // 2)))
+    bounds = [total * i // shares for i in range(shares + 1)]
+    jobs = [_pieces(dst, parts, a, b) for a, b in itertools.pairwise(bounds)]
+    helped = [_pool().submit(_copy_pieces, job) for job in jobs[1:]]
+    _copy_pieces(jobs[0])
     for future in helped:
         future.result()
+
+
+def _pieces(
+    dst: np.ndarray, parts: Sequence[np.ndarray], start: int, end: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (destination, source) slices that cover bytes [start, end) of the parts laid back to back."""
+    pieces, offset = [], 0
+    for part in parts:
+        a, b = max(start, offset), min(end, offset + len(part))
+        if a < b:
+            pieces.append((dst[a:b], part[a - offset : b - offset]))
+        offset += len(part)
+    return pieces
+
+
+def _copy_pieces(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in pieces:
+        np.copyto(dst, src)
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -22,7 +22,7 @@ from encoder_server.batcher import BatchingConfig
 from encoder_server.transports.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
 from protos import wire
-from encoder_common.copies import SPLIT_FROM, copy_bytes
+from encoder_common.copies import SPLIT_FROM, copy_bytes, copy_parts
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos.shm import SERVER_KIND, item_proof, new_instance, random_name, segment_header
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
@@ -610,6 +610,18 @@ def test_a_payload_copy_split_across_threads_lands_every_byte_in_place(nbytes):
     dst = np.zeros(nbytes + 2, dtype=np.uint8)
     copy_bytes(dst[1:-1], src)
     assert np.array_equal(dst[1:-1], src) and dst[0] == 0 and dst[-1] == 0
+
+
+@pytest.mark.parametrize("sizes", [[1 << 20] * 7 + [5], [3, SPLIT_FROM + 1, 7, SPLIT_FROM // 2, 1]])
+def test_parts_copied_back_to_back_across_threads_land_every_byte_in_place(sizes):
+    """A cached payload's 1 MiB chunks, or parts of any sizes, split into shares across their edges."""
+    src = np.random.default_rng(len(sizes)).integers(0, 256, sum(sizes), dtype=np.uint8)
+    parts = np.split(src, np.cumsum(sizes)[:-1])
+    dst = np.zeros(len(src) + 2, dtype=np.uint8)
+    copy_parts(dst[1:-1], parts)
+    assert np.array_equal(dst[1:-1], src) and dst[0] == 0 and dst[-1] == 0
+    with pytest.raises(ValueError, match="copy of"):
+        copy_parts(dst, parts)
 
 
 def test_a_forked_child_copies_with_threads_of_its_own():

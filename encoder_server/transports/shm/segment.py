@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from encoder_common.copies import copy_bytes
+from encoder_common.copies import copy_parts
 from protos.shm import HEADER_BYTES, random_name
 
 
@@ -46,11 +46,9 @@ class Segment:
     def write(self, header: bytes, parts: Sequence[memoryview]) -> None:
         """Header last, and zeroed first: a receiver still reading an old use sees the change."""
         self._map[:HEADER_BYTES] = bytes(HEADER_BYTES)
-        offset = HEADER_BYTES
-        for part in parts:
-            flat = np.frombuffer(part, dtype=np.uint8)
-            copy_bytes(self.bytes[offset : offset + len(flat)], flat)  # into pages already there
-            offset += len(flat)
+        flat = [np.frombuffer(part, dtype=np.uint8) for part in parts]
+        end = HEADER_BYTES + sum(len(part) for part in flat)
+        copy_parts(self.bytes[HEADER_BYTES:end], flat)  # into pages already there
         self._map[:HEADER_BYTES] = header
 
     def close(self) -> None:
