@@ -43,12 +43,13 @@ async def read_call(
 
     Returns None when the stream ended cleanly (the caller checks that nothing is missing), or as soon
     as the last byte of its last item arrived on the stream: the endpoint reads the end of the call
-    (`EncoderEndpoint.hear_end`) while the items go on. Payloads a transport placed are not taken
-    before the call completes, since the server hands them over only then. A stream silent for
-    `stall_timeout_s` whose encoder then fails a health probe is cancelled and reported as UNAVAILABLE.
+    (`EncoderEndpoint.hear_end`) while the items go on. A call where a transport placed a payload is
+    read to its end, since the server hands placed payloads over only then; one whose transport was
+    offered and declined (every payload streamed) returns at its last byte like any other. A stream
+    silent for `stall_timeout_s` whose encoder then fails a health probe is cancelled and reported as
+    UNAVAILABLE.
     """
     watch = StallWatch(policy, endpoint, call)
-    streamed = assembler.read_placed is None  # no payload placed by a transport: whole at the last byte
     try:
         async for message in call:
             watch.last_message = time.monotonic()
@@ -56,7 +57,7 @@ async def read_call(
             if done is not None:
                 if arrived is not None:
                     arrived(done)
-                if streamed and len(assembler.items) == len(assembler.expected):
+                if not assembler.placed and len(assembler.items) == len(assembler.expected):
                     endpoint.hear_end(call)
                     return None
     except grpc.aio.AioRpcError as exc:

@@ -25,12 +25,15 @@ ENCODE = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
 
 class HeldOpenEncoder:
     """Answers each Encode item with its index as every value (bf16), then holds the call open until
-    `release` is set; `extra` sends one more header after the last item. Records how each call ended."""
+    `release` is set; `extra` sends one more header after the last item. A request that offers shared
+    memory is answered as a server without --shm-transfer answers it (SHM_DISABLED in each header).
+    Records how each call ended, and how many offered shared memory."""
 
     def __init__(self, extra: bool = False):
         self.extra = extra
         self.release = asyncio.Event()
         self.ends: list[str] = []
+        self.shm_offers = 0
         self.server = grpc.aio.server()
         handler = grpc.unary_stream_rpc_method_handler(self.encode)
         self.server.add_generic_rpc_handlers(
@@ -44,9 +47,11 @@ class HeldOpenEncoder:
 
     async def encode(self, raw: bytes, context: grpc.aio.ServicerContext):
         request = pb.EncodeRequest.FromString(raw)
+        offered = request.HasField("shm")
+        self.shm_offers += offered
         try:
             for item in request.items:
-                yield self.header(item.index)
+                yield self.header(item.index, shm_disabled=offered)
                 payload = torch.full((TOKENS, HIDDEN), float(item.index), dtype=torch.bfloat16)
                 for chunk in wire.chunk_messages(wire.tensor_bytes(payload)):
                     yield chunk
@@ -60,7 +65,7 @@ class HeldOpenEncoder:
         self.ends.append("ok")
 
     @staticmethod
-    def header(index: int) -> bytes:
+    def header(index: int, shm_disabled: bool = False) -> bytes:
         header = pb.ItemHeader(
             index=index,
             num_tokens=TOKENS,
@@ -68,6 +73,8 @@ class HeldOpenEncoder:
             dtype=pb.BFLOAT16,
             payload_bytes=TOKENS * HIDDEN * 2,
         )
+        if shm_disabled:
+            header.shm.fallback = pb.SHM_DISABLED
         return pb.EncodeResponse(header=header).SerializeToString()
 
 
@@ -96,6 +103,23 @@ async def test_a_request_returns_at_its_last_byte_and_closing_waits_for_the_call
     assert not closing.done()  # waits for the call the encoder still holds
     held_open.release.set()
     await asyncio.wait_for(closing, timeout=5)
+    assert held_open.ends == ["ok"]
+
+
+async def test_a_call_whose_shared_memory_offer_was_declined_returns_at_its_last_byte(held_open):
+    """transfer="auto" offers shared memory to an encoder that may share this host (a loopback address,
+    or any name); one that declines streams every payload, so the call's items are whole at their last
+    byte as on the stream alone."""
+    receiver = EncoderReceiver([held_open.url])
+    result = await asyncio.wait_for(
+        receiver.encode("r", [{"data": b"image-%d" % i} for i in range(2)]), timeout=3
+    )
+    assert held_open.shm_offers == 1 and not held_open.release.is_set() and held_open.ends == []
+    assert receiver.transfer_stats.fallbacks == {"disabled": 2} and receiver.transfer_stats.items_shm == 0
+    for index, item in enumerate(result.items):
+        assert torch.equal(item.embedding, torch.full((TOKENS, HIDDEN), float(index)).bfloat16())
+    held_open.release.set()
+    await asyncio.wait_for(receiver.close(), timeout=5)
     assert held_open.ends == ["ok"]
 
 
