@@ -19,7 +19,7 @@ class Profile:
     tower: dict  # Qwen2.5-VL vision_config of the compute-bound tower
     transport_sizes: tuple[int, ...]
     transport_bytes: int  # moved per transport measurement
-    transport_rounds: int  # the transport section's rounds (its measures are short and cheap: more of them)
+    transport_rounds: int  # the transport section's rounds: its measures are short, and a figure's noise is per measure
     rounds: int  # measurements per figure, interleaved with its baseline; the median is reported
     serving_image: tuple[int, int]
     serving_images: int
@@ -59,8 +59,8 @@ def profile_for(device: str, quick: bool) -> Profile:
         )  # fmt: skip
     return Profile(
         device="cpu", dtype="float32", torch_threads=1, tower=TINY_TOWER if quick else qwen2_5_vl_7b_tower(1),
-        transport_sizes=(7 * MiB, 32 * MiB), transport_bytes=(32 if quick else 512) * MiB,
-        transport_rounds=1 if quick else 11, rounds=1 if quick else 7,
+        transport_sizes=(7 * MiB, 32 * MiB), transport_bytes=(32 if quick else 256) * MiB,
+        transport_rounds=1 if quick else 21, rounds=1 if quick else 7,
         serving_image=(112, 112), serving_images=4 if quick else 12, serving_clients=2,
         batching_clients=16, batching_requests=2 if quick else 12, batching_image=(56, 56),
         scale_requests=2 if quick else 8, scale_items=2, cache_repeats=2 if quick else 5,
