@@ -19,7 +19,7 @@ class Profile:
     tower: dict  # Qwen2.5-VL vision_config of the compute-bound tower
     transport_sizes: tuple[int, ...]
     transport_bytes: int  # moved per transport measurement
-    transport_rounds: int  # the transport section's rounds: its measures are short, and a figure's noise is per measure
+    transport_rounds: int  # the transport section's rounds: its figures' noise is per (short) measure
     rounds: int  # measurements per figure, interleaved with its baseline; the median is reported
     serving_image: tuple[int, int]
     serving_images: int
