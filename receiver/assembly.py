@@ -9,10 +9,10 @@ from collections.abc import Callable, Collection
 import numpy as np
 import torch
 
-from protos import encoder_pb2 as pb
-from protos import wire
 from encoder_common.copies import copy_bytes
 from encoder_common.errors import EncoderError
+from protos import encoder_pb2 as pb
+from protos import wire
 
 from .buffers import POOL
 from .result import ItemResult
@@ -115,7 +115,6 @@ class ShardAssembler:
         self.refetch: list[int] = []  # items placed where they could not be used
         self.not_held: list[int] = []  # references whose embedding the server did not hold
         self.digests: dict[int, bytes] = {}  # arrived items' image sha256, where the server keeps them
-        self.placed = False  # some item's payload was placed by the call's transport, not streamed
         self._current: ItemBuffer | None = None
         self._started = time.perf_counter()
 
@@ -148,7 +147,6 @@ class ShardAssembler:
                 if placement is Placement.REFETCH:
                     self.refetch.append(message.index)
                     return None
-                self.placed = self.placed or payload is not None
             self._current = ItemBuffer(message, self.allocate, payload, layout)
         if self._current is not None and self._current.complete:
             done = self._finish(self._current.header, self._current.tensor)

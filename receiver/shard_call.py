@@ -16,8 +16,8 @@ from protos import wire
 
 from .assembly import Allocator, ShardAssembler, StreamProtocolError
 from .channels import EncoderEndpoint
-from .errors import ShardError
 from .config import FailoverPolicy
+from .errors import ShardError
 from .result import ItemResult
 from .transports import ReceiverTransport
 from .transports.stream import STREAM
@@ -42,11 +42,11 @@ async def read_call(
     """Feeds every message of `call` to `assembler`, handing each finished item to `arrived`.
 
     Returns None when the stream ended cleanly (the caller checks that nothing is missing), or as soon
-    as the last byte of its last item arrived on the stream: the endpoint reads the end of the call
-    (`EncoderEndpoint.hear_end`) while the items go on. A call where a transport placed a payload is
-    read to its end, since the server hands placed payloads over only then; one whose transport was
-    offered and declined (every payload streamed) returns at its last byte like any other. A stream
-    silent for `stall_timeout_s` whose encoder then fails a health probe is cancelled and reported as
+    as its last item is whole (its last byte on the stream, or its header where the transport placed
+    it): the endpoint reads the end of the call (`EncoderEndpoint.hear_end`) while the items go on. A
+    placed payload is the receiver's from its header on, whether or not the call then completes: the
+    server never writes again to a segment whose name the receiver has not unlinked. A stream silent
+    for `stall_timeout_s` whose encoder then fails a health probe is cancelled and reported as
     UNAVAILABLE.
     """
     watch = StallWatch(policy, endpoint, call)
@@ -57,7 +57,7 @@ async def read_call(
             if done is not None:
                 if arrived is not None:
                     arrived(done)
-                if not assembler.placed and len(assembler.items) == len(assembler.expected):
+                if len(assembler.items) == len(assembler.expected):
                     endpoint.hear_end(call)
                     return None
     except grpc.aio.AioRpcError as exc:
