@@ -67,12 +67,11 @@ class HeldOpenEncoder:
             for item in request.items:
                 header = self.header(item.index, shm_disabled=offered and shm is None)
                 payload = torch.full((TOKENS, HIDDEN), float(first_value + item.index), dtype=torch.bfloat16)
-                if shm is not None and shm.place(header, ItemPayload(header, [payload])):
-                    yield pb.EncodeResponse(header=header).SerializeToString()
-                    continue
+                placed = shm is not None and shm.place(header, ItemPayload(header, [payload]))
                 yield pb.EncodeResponse(header=header).SerializeToString()
-                for chunk in wire.chunk_messages(wire.tensor_bytes(payload)):
-                    yield chunk
+                if not placed:  # no chunks follow a header that announces a segment
+                    for chunk in wire.chunk_messages(wire.tensor_bytes(payload)):
+                        yield chunk
             if self.extra:
                 yield pb.EncodeResponse(header=self.header(0)).SerializeToString()
             await self.release.wait()
@@ -114,7 +113,7 @@ async def held_open(request):
 
 
 @pytest.fixture
-async def placing(tmp_path):
+async def placing():
     """A held-open encoder that places payloads in shared memory with the server's pool."""
     segments = ShmSegments(ShmConfig(min_bytes=0))
     await segments.start()
