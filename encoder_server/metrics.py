@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from protos import encoder_pb2 as pb
 from encoder_common.errors import outcome_for, status_for
 from encoder_common.histogram import PlainHistogram
+from protos import encoder_pb2 as pb
 
 from .models.base import ImageEmbedding, PreparedImage, VisionEncoder
 from .profiles import DEFAULT_PROFILE, PROFILES, PreprocessProfile

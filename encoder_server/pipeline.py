@@ -9,16 +9,16 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 
-from protos import encoder_pb2 as pb
 from encoder_common.digests import DigestMemo
 from encoder_common.errors import InvalidItemError, OverloadedError
 from encoder_common.sources import SourceReader
+from protos import encoder_pb2 as pb
 
 from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace, content_key
-from .payload import ItemPayload
 from .config import ServerConfig
 from .models import PreparedImage, VisionEncoder
+from .payload import ItemPayload
 from .profiles import PROFILES, PreprocessProfile
 from .sender import ItemOut
 from .streams import StreamCharge

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import grpc
 
+from encoder_common.errors import InvalidItemError, NotFoundError
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from encoder_common.errors import InvalidItemError, NotFoundError
 
 from . import __version__
-from .request_parsing import EncodeCall, check_encode_request, parse_encode_request, parse_fetch_request
 from .config import ServerConfig
 from .error_edge import error_edge
 from .leases import LeaseStore
 from .metrics import ServerMetrics
 from .models import ModelSpec
 from .pipeline import ItemPipeline
+from .request_parsing import EncodeCall, check_encode_request, parse_encode_request, parse_fetch_request
 from .sender import ItemSender, leased_payloads
 from .streams import StreamBudget
 from .transports import ServerTransports

@@ -14,8 +14,8 @@ import aiohttp
 from aiohttp import web
 
 from encoder_common.sources import SourceReader
+from encoder_common.vllm_releases import SUPPORTED_VLLM, in_supported_range
 from receiver import EncoderError, EncoderReceiver
-from receiver.vllm_releases import SUPPORTED_VLLM, in_supported_range
 
 from .config import GatewayConfig
 from .handoff import Handoff, check_family, handoff_for

@@ -13,7 +13,6 @@ from encoder_common.collector import freeze_startup_objects
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
 from encoder_common.extras import require_extra
 from encoder_common.malloc import tune_malloc
-
 from receiver.config import ReceiverConfig, add_credential_flags, credentials_from_args
 
 from .config import GatewayConfig

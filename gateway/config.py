@@ -10,7 +10,6 @@ from encoder_common.env_flags import comma_separated, flag, section
 from encoder_common.sources import SourcePolicy
 from receiver.config import ReceiverConfig
 
-
 # Seconds an idle HTTP connection to vLLM stays pooled: under vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
 # 5 s), so a connection is dropped here before the engine closes it and no request goes out on a connection
 # the engine is closing (aiohttp's default, 15 s, races that close and answers ServerDisconnectedError).
@@ -58,7 +57,7 @@ class GatewayConfig:
         default="inline",
         metadata=flag(
             "how embeddings reach vLLM: inline (image_embeds parts in the request) or connector (vLLM runs "
-            "receiver.vllm_connector as ec_consumer and fetches them from the encoders)",
+            "receiver.vllm.connector as ec_consumer and fetches them from the encoders)",
             choices=("inline", "connector"),
         ),
     )

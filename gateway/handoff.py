@@ -1,7 +1,7 @@
 """How encoded items reach vLLM: the embedding tensor its model takes, the chat content part its OpenAI
 server accepts (`--enable-mm-embeds`), and the `multi_modal_data` its `LLM.generate` accepts.
 
-Formats read from vLLM 0.31 to 0.33 (`receiver.vllm_releases.SUPPORTED_VLLM`; gateway/app.py refuses to
+Formats read from vLLM 0.31 to 0.33 (`encoder_common.vllm_releases.SUPPORTED_VLLM`; gateway/app.py refuses to
 start in front of a vLLM that reports another release): a chat part `{"type": "image_embeds",
 "image_embeds": {"image_embeds": base64(torch.save(tensor)), "image_grid_thw": [t, h, w]}}` for the Qwen
 families (the grid a flat list; the tensor loaded with `torch.load(weights_only=True)`), the same with
@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 
 from encoder_common.families import FAMILIES, QWEN_GRID, Family, VllmInput, family_of
-from receiver.fetch import item_uuid
-from receiver.result import EncodeResult, ItemResult
+from receiver.embeddings.result import EncodeResult, ItemResult
+from receiver.fleet.fetch import item_uuid
 
 from .protocol import has_embedding_parts
 
@@ -154,7 +154,7 @@ def leased_part(item: ItemResult, taken: VllmInput = QWEN_GRID, image: bytes | N
 
 class ConnectorHandoff:
     """Leaves each embedding on its encoder under a lease (the gateway receives headers only) and names
-    it in the chat request; vLLM's EncoderServiceConnector (receiver/vllm_connector.py) fetches it."""
+    it in the chat request; vLLM's EncoderServiceConnector (receiver/vllm/connector.py) fetches it."""
 
     def __init__(self, lease_ttl_s: float):
         self.encode_options: Mapping[str, Any] = {

@@ -10,8 +10,8 @@ import torch
 
 from encoder_common.errors import EncoderError, InvalidItemError
 from receiver.client import EncoderReceiver
+from receiver.embeddings.result import ItemResult
 from receiver.errors import ShardError
-from receiver.result import ItemResult
 
 from .files import ModelStamp, dtype_name
 

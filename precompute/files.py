@@ -1,6 +1,6 @@
 """encoder-precompute's output files: one safetensors file per image content hash, holding "embedding"
 (and "deepstack" where the model has deepstack layers) and metadata naming the model that made it
-(`receiver.precomputed_files` reads them back)."""
+(`receiver.embeddings.precomputed_files` reads them back)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 
 from protos import encoder_pb2 as pb
 from protos import wire
-from receiver.precomputed_files import FORMAT
-from receiver.result import ItemResult
+from receiver.embeddings.precomputed_files import FORMAT
+from receiver.embeddings.result import ItemResult
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from encoder_common.env_flags import flag
 from encoder_common.errors import EncoderError, InvalidItemError
 from encoder_server.config import dtype_flag
-from receiver.precomputed_files import content_key, output_path, read_metadata
+from receiver.embeddings.precomputed_files import content_key, output_path, read_metadata
 
 from .backends import InProcessBackend, ServerBackend
 from .files import ModelStamp, write_embedding

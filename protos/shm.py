@@ -1,12 +1,7 @@
-"""The same-host fast path's contract, what both sides must agree on byte for byte: the file names
-under the shared-memory directory, the segment header, and the proof that a server shares the
-receiver's memory.
-
-Every file is owner-only (0600) and carries a 128-bit random instance id and, for segments, a
-128-bit random name, so another user can neither read nor guess one. Each instance has one lock
-file (the server's `.lock`, the receiver's `.probe`) whose flock tells live instances from dead ones
-(`encoder_common.shm_files`).
-"""
+"""The same-host fast path's contract, byte for byte on both sides: the file names under the
+shared-memory directory (owner-only, random 128-bit instance ids and segment names; one lock file per
+instance tells live from dead), the segment header, and the proof that a server shares the receiver's
+memory."""
 
 from __future__ import annotations
 

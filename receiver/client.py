@@ -1,7 +1,7 @@
 """`EncoderReceiver`: what a prefill node calls to encode a request's images on the encoder pods.
 
-A facade: its life cycle, `encode` and `fetch`. The failover loop is `receiver.failover`, one call to
-one encoder (with its stall watch) is `receiver.shard_call`, where items go is `receiver.placement`.
+A facade: its life cycle, `encode` and `fetch`. The failover loop is `receiver.fleet.failover`, one call to
+one encoder (with its stall watch) is `receiver.fleet.shard_call`, where items go is `receiver.fleet.placement`.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from typing import Any
 
 from protos import encoder_pb2 as pb
 
-from .assembly import Allocator
-from .channels import EncoderEndpoint
 from .config import ReceiverConfig
-from .discovery import Resolver, resolve_all
-from .failover import EncodeJob, Fleet, encode_items
-from .fetch import fetch_leased
-from .item_cache import ItemCache
+from .embeddings.assembly import Allocator
+from .embeddings.item_cache import ItemCache
+from .embeddings.result import EncodeResult, ItemResult
+from .fleet.channels import EncoderEndpoint
+from .fleet.discovery import Resolver, resolve_all
+from .fleet.failover import EncodeJob, Fleet, encode_items
+from .fleet.fetch import fetch_leased
+from .fleet.served_model import ServedModel
 from .items import check_items, sort_items
 from .metrics import ReceiverMetrics
-from .result import EncodeResult, ItemResult
-from .served_model import ServedModel
 from .transports import TransferStats, open_transport
 
 
@@ -154,7 +154,7 @@ class EncoderReceiver:
     ) -> ItemResult:
         """A leased item (see `encode(lease_ms=...)`) by its key, received into a tensor from `allocate`.
         Asks `prefer_url` first (the encoder that encoded it), then the others; raises
-        receiver.fetch.FetchFailedError, with each encoder's answer, when none streams it."""
+        receiver.fleet.fetch.FetchFailedError, with each encoder's answer, when none streams it."""
         endpoints = await self._fleet.pool.endpoints()
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
         return await fetch_leased(

@@ -12,8 +12,8 @@ from typing import Any
 from encoder_common.errors import InvalidItemError, UnsupportedModalityError
 from encoder_common.sources import SourcePolicy, SourceReader
 
-from .result import ItemResult
-from .served_model import ServedModel
+from .embeddings.result import ItemResult
+from .fleet.served_model import ServedModel
 
 # The keys an item may carry; anything else is a typo or a feature this receiver lacks, and
 # guessing would send the wrong bytes. An item carrying its embedding may omit data and url.

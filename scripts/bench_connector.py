@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from gateway.handoff import image_embeds_part  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
-from receiver.item_files import create_item_file, map_item_file, new_item_path, sweep_dead  # noqa: E402
+from receiver.vllm.item_files import create_item_file, map_item_file, new_item_path, sweep_dead  # noqa: E402
 from testkit.bench_harness import Stopwatch, median, write_json  # noqa: E402
 from testkit.fixed_server import fixed_server  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402

@@ -5,7 +5,7 @@ its greedy token ids compared with vLLM alone's (the same requests sent again af
 `vllm bench serve` keeps only texts).
 
 One vLLM (CPU build, .venv-engines) serves all three paths: it runs as `ec_consumer` with
-`receiver.vllm_connector`, answers raw images with its own tower (the "vLLM alone" path) and takes the
+`receiver.vllm.connector`, answers raw images with its own tower (the "vLLM alone" path) and takes the
 gateways' embeddings. One encoder server process. Rounds interleave the paths; each round has its own
 seed (the same requests for the three paths), and vLLM's prefix and multimodal caches and the encoder's
 embedding cache are off, so no path is served from another's work.

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
-import sys
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
 
-from testkit.default_model import ensure_default_model
 from protos.wire import DTYPE_NAMES
 from receiver import EncoderReceiver, batch_embedding, window_rows
 from testkit.bench_harness import Stopwatch, median_ms, repeat_async
+from testkit.default_model import ensure_default_model
 from testkit.images import image_bytes
 from testkit.servers import running_server
 

@@ -18,11 +18,11 @@ from transformers.utils import logging as transformers_logging
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from receiver import EncoderReceiver  # noqa: E402
 from testkit.default_model import DEFAULT_MODEL_DIR, ensure_default_model  # noqa: E402
 from testkit.images import drawn_image_bytes  # noqa: E402
 from testkit.launcher import launch_server  # noqa: E402
 from testkit.reference import reference_features  # noqa: E402
-from receiver import EncoderReceiver  # noqa: E402
 
 
 def build_items(workdir: Path) -> tuple[list[dict], list[bytes]]:

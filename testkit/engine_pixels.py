@@ -28,8 +28,8 @@ def refusal(exc: Exception) -> str:
 
 
 def vllm_pixels(model_dir: str, images: dict[str, bytes], tensors: dict, refusals: dict) -> str:
-    import vllm
     import torch
+    import vllm
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.fusion.mm_input_norm import build_mm_input_norm
     from vllm.multimodal import MULTIMODAL_REGISTRY

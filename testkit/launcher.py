@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testkit import REPO_ROOT
+
 # The encoder server logs "encoder server ready on host:port"; other children print "ready on host:port".
 READY = re.compile(r"ready on \S+:(\d+)")
 

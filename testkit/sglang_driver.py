@@ -57,10 +57,9 @@ class LogLines(logging.Handler):
 def main(plan_path: str, out_dir: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # all traffic on loopback
+    import sglang
     import torch
     from safetensors.torch import save_file
-
-    import sglang
     from sglang.srt.disaggregation.encoder import receiver as sglang_receiver
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.multimodal.modality import Modality
@@ -235,10 +234,10 @@ def checks() -> dict:
     import pickle
 
     import torch
-    from smg_grpc_proto import sglang_encoder_pb2
     from sglang.srt.disaggregation.encoder import receiver as sglang_receiver
     from sglang.srt.multimodal.modality import Modality
     from sglang.srt.utils.common import safe_pickle_loads
+    from smg_grpc_proto import sglang_encoder_pb2
 
     from encoder_server.sglang.embedding_data import SGLANG_VERSION, PartMeta, embedding_data_pickle
 

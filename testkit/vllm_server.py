@@ -72,10 +72,10 @@ def start_vllm_encoder(
 
 def connector_transfer_config(encoders: Sequence[str], **extra: object) -> str:
     """vLLM's --ec-transfer-config for an ec_consumer that takes embeddings from `encoders` through
-    receiver.vllm_connector; `extra` goes into its ec_connector_extra_config."""
+    receiver.vllm.connector; `extra` goes into its ec_connector_extra_config."""
     return json.dumps({
         "ec_connector": "EncoderServiceConnector",
-        "ec_connector_module_path": "receiver.vllm_connector",
+        "ec_connector_module_path": "receiver.vllm.connector",
         "ec_role": "ec_consumer",
         "ec_connector_extra_config": {"encoders": list(encoders), **extra},
     })  # fmt: skip

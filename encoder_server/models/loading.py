@@ -19,7 +19,6 @@ from transformers.initialization import no_init_weights
 
 from encoder_common.errors import EncoderError
 
-
 # A checkpoint directory holding this file has random weights (the built-in default model, test
 # checkpoints): the server logs a warning and reports it in GetModelInfo.
 RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS"

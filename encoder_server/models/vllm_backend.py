@@ -27,7 +27,7 @@ from PIL import Image
 
 from encoder_common.errors import EncoderError, TokenCountMismatchError
 from encoder_common.families import family_of
-from receiver.vllm_releases import (
+from encoder_common.vllm_releases import (
     TOWER_BACKEND_VLLM,
     TOWER_BACKEND_VLLM_BELOW,
     TOWER_BACKEND_VLLM_FROM,

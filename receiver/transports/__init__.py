@@ -1,25 +1,20 @@
-"""How payloads reach this receiver: the seam between a shard call (shard_call.py), which puts a
-transport's offer in its request, and the assembler (assembly.py), which reads each item the encoder
-placed by that transport instead of streaming it as chunks.
-
-`TRANSPORTS` is the one list of them, by the name `ReceiverConfig.transfer` takes: the gRPC stream
-(`stream.py`, always there: every transport falls back to it) and shared memory (`shm.py`). Each is
-loaded when a receiver uses it, so that this list stays free of torch (the receiver's settings are).
-See docs/architecture.md, "Adding a transport".
-"""
+"""How payloads reach this receiver: `TRANSPORTS`, the one list of them by `ReceiverConfig.transfer`'s
+names (the gRPC stream, always there, and shared memory), each loaded when used so this module stays free
+of torch; what a shard call offers (`ReceiverTransport`) and how its item headers are read."""
 
 from __future__ import annotations
 
 import enum
 import importlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from protos import encoder_pb2 as pb
+    import torch
 
-    from ..assembly import PayloadReader
+    from protos import encoder_pb2 as pb
 
 # Transfer name -> "module:class" under receiver.transports, the class taking `strict`.
 TRANSPORTS = {
@@ -37,6 +32,12 @@ class Placement(enum.Enum):
     FILLED = "filled"  # the item's tensor is a view of what the transport placed
     CHUNKS = "chunks"  # follows on the stream as chunks
     REFETCH = "refetch"  # placed where it could not be used: fetch the item again
+
+
+# Reads an item's header for the call's transport: where its payload is, and its tensor when the
+# transport placed it (ReceiverTransport.open_call returns one per call). Quoted: this module loads
+# without torch (receiver.config imports it).
+PayloadReader = Callable[["pb.ItemHeader"], tuple[Placement, "torch.Tensor | None"]]
 
 
 @dataclass

@@ -162,7 +162,7 @@ class TransportRun:
         return n * nbytes / await in_flight(calls, width) / 1e9
 
     def zmq_pull(self, nbytes: int, n: int) -> float:
-        from receiver.buffers import POOL
+        from receiver.embeddings.buffers import POOL
 
         watch = Stopwatch()
         self.control.send(f"{nbytes} {n}".encode())

@@ -17,13 +17,13 @@ from aiohttp import web
 from encoder_common.errors import InvalidItemError
 from encoder_common.http_fetch import FetchLimits, fetch_http, internal_kind, system_resolve
 from encoder_common.sources import SourcePolicy, SourceReader
+from protos import encoder_pb2 as pb
 from testkit.images import image_bytes
 from testkit.servers import running_server
-from tests.gateway.test_gateway import gateway, post
-from tests.support.gateway import chat_request
 from tests.encoder_server.test_hostile_inputs import call_encode, item
 from tests.encoder_server.test_security import pki  # noqa: F401  (fixture)
-from protos import encoder_pb2 as pb
+from tests.gateway.test_gateway import gateway, post
+from tests.support.gateway import chat_request
 
 PUBLIC_NAME = "images.example.com"  # resolves, in these tests, to the allowed redirecting site
 INTERNAL_NAME = "intranet.example.com"  # resolves, in these tests, to 127.0.0.1

@@ -10,13 +10,13 @@ import grpc
 import pytest
 import torch
 
+from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
 from encoder_server.batcher import Batcher, BatchingConfig
 from encoder_server.images import decode_image
 from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
-from encoder_common.errors import OverloadedError, TokenCountMismatchError, UnavailableError
 from receiver import EncoderReceiver, ShardError
-from receiver.channels import EncoderEndpoint
+from receiver.fleet.channels import EncoderEndpoint
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.servers import running_server

@@ -11,20 +11,20 @@ import pytest
 import torch
 
 from encoder_common import digests
-from encoder_server.cache import EmbeddingCache, cache_namespace
-from encoder_server.profiles import PROFILES
 from encoder_common.digests import DigestMemo
-from encoder_server.payload import ItemPayload
+from encoder_server.cache import EmbeddingCache, cache_namespace
 from encoder_server.cli import build_parser
 from encoder_server.models import load_vision_encoder
+from encoder_server.payload import ItemPayload
+from encoder_server.profiles import PROFILES
 from protos import encoder_pb2 as pb
 from protos import wire
 from receiver import EncoderReceiver
-from receiver.channels import EncoderEndpoint
+from receiver.fleet.channels import EncoderEndpoint
 from testkit.encoders import EncoderDouble
-from tests.encoder_server.test_batcher import eventually
 from testkit.images import image_bytes
 from testkit.servers import running_server
+from tests.encoder_server.test_batcher import eventually
 
 NAMESPACE = hashlib.sha256(b"test-model").digest()
 

@@ -12,7 +12,6 @@ import torch
 
 from encoder_common.families import BY_MODEL_TYPE
 from encoder_server.images import decode_image
-from encoder_server.profiles import PROFILES
 from encoder_server.models import load_vision_encoder
 from encoder_server.models.kernels import (
     PackedLinear,
@@ -20,6 +19,7 @@ from encoder_server.models.kernels import (
     pack_linear_layers,
     use_engine_kernels,
 )
+from encoder_server.profiles import PROFILES
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc
 from protos.wire import CHUNK_BYTES
@@ -116,7 +116,7 @@ async def test_precompute_files_of_a_llava_full_checkpoint_are_accepted_back(che
     """LLaVA's "full" strategy gives 17 tokens for a (1, 4, 4) grid: the files carry that grid."""
     from precompute.backends import InProcessBackend
     from precompute.run import PrecomputeSettings, precompute
-    from receiver.precomputed_files import precomputed_item
+    from receiver.embeddings.precomputed_files import precomputed_item
 
     model_dir = checkpoints["llava-two-layers-full"]
     images = [image_bytes(64, 64, seed=i) for i in range(2)]

@@ -13,10 +13,10 @@ from encoder_server.transports.shm import ShmConfig
 from protos import encoder_pb2 as pb
 from protos import wire
 from receiver import EncoderReceiver
-from receiver.affinity import content_key
-from receiver.assembly import ShardAssembler, StreamProtocolError
-from receiver.channels import EncoderEndpoint
-from receiver.held_images import HeldImages
+from receiver.embeddings.assembly import ShardAssembler, StreamProtocolError
+from receiver.fleet.affinity import content_key
+from receiver.fleet.channels import EncoderEndpoint
+from receiver.fleet.held_images import HeldImages
 from testkit.images import image_bytes
 from testkit.servers import running_server
 from tests.encoder_server.test_cache import encoder, server  # noqa: F401  (fixtures)

@@ -13,8 +13,8 @@ from encoder_server.leases import LeaseConfig, LeaseStore
 from encoder_server.transports.shm import ShmConfig
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver
-from receiver.channels import EncoderEndpoint
-from receiver.fetch import FetchFailedError
+from receiver.fleet.channels import EncoderEndpoint
+from receiver.fleet.fetch import FetchFailedError
 from testkit.images import image_bytes
 from testkit.servers import running_server
 

@@ -13,8 +13,8 @@ import torch
 
 from encoder_server.images import decode_image
 from encoder_server.models import SUPPORTED_MODEL_TYPES, CheckpointError, load_vision_encoder
-from testkit.checkpoints import model_types, rename_prefixes, rewrite_tensors, tensor_names, write_checkpoint
 from testkit import REPO_ROOT
+from testkit.checkpoints import model_types, rename_prefixes, rewrite_tensors, tensor_names, write_checkpoint
 from testkit.images import image_bytes
 from testkit.launcher import launch_server
 

@@ -22,8 +22,8 @@ from encoder_server.models import load_vision_encoder
 from encoder_server.transports.shm import ShmConfig
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver, ShardError
-from testkit.images import image_bytes
 from testkit.encoders import EncoderDouble
+from testkit.images import image_bytes
 from testkit.launcher import launch_server
 from testkit.servers import running_server
 

@@ -24,14 +24,19 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from encoder_common.errors import DeadlineExceededError, InvalidItemError, OverloadedError, UnsupportedModalityError
+from encoder_common.errors import (
+    DeadlineExceededError,
+    InvalidItemError,
+    OverloadedError,
+    UnsupportedModalityError,
+)
+from encoder_common.sources import SourcePolicy, SourceReader
 from encoder_server.models import load_vision_encoder
 from encoder_server.sglang.config import SglangConfig
 from encoder_server.sglang.embedding_data import LAYOUTS, layout_for
 from encoder_server.sglang.items import read_item, sniff_non_image
 from encoder_server.sglang.receive_urls import ReceiveUrls
 from encoder_server.sglang.servicer import SEND_UNIMPLEMENTED, SERVICE_NAME
-from encoder_common.sources import SourcePolicy, SourceReader
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb

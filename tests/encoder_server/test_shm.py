@@ -18,16 +18,16 @@ import pytest
 import torch
 
 import encoder_server.transports.shm.pool
+from encoder_common.copies import SPLIT_FROM, copy_bytes, copy_parts
+from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from encoder_server.batcher import BatchingConfig
 from encoder_server.transports.shm import ShmConfig, ShmSegments
 from protos import encoder_pb2 as pb
 from protos import wire
-from encoder_common.copies import SPLIT_FROM, copy_bytes, copy_parts
-from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos.shm import SERVER_KIND, item_proof, new_instance, random_name, segment_header
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
-from receiver.buffers import BufferPool
-from receiver.channels import EncoderEndpoint
+from receiver.embeddings.buffers import BufferPool
+from receiver.fleet.channels import EncoderEndpoint
 from receiver.transports import Placement
 from receiver.transports.shm import ShmReceiver
 from receiver.transports.stream import StreamTransport
@@ -358,8 +358,8 @@ RECEIVER_SCRIPT = """
 import asyncio, io, sys
 from PIL import Image
 from protos import encoder_pb2 as pb
-from receiver.buffers import BufferPool
-from receiver.channels import EncoderEndpoint
+from receiver.embeddings.buffers import BufferPool
+from receiver.fleet.channels import EncoderEndpoint
 from receiver.transports.shm import ShmReceiver
 
 def image_bytes(width, height):

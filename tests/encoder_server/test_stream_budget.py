@@ -16,8 +16,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from encoder_server.payload import FIRST_CHUNKS_BYTES, ItemPayload
 from encoder_common.errors import OverloadedError
+from encoder_server.payload import FIRST_CHUNKS_BYTES, ItemPayload
 from encoder_server.streams import (
     CALL_BYTES,
     CALL_STATE_BYTES,

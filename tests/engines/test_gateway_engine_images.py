@@ -5,7 +5,6 @@ vLLM alone refuses, the gateway refuses with a 400 naming the part."""
 
 from __future__ import annotations
 
-
 import aiohttp
 import pytest
 

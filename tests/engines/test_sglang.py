@@ -22,11 +22,11 @@ import torch
 from google.protobuf import descriptor_pb2
 from safetensors.torch import load_file
 
+from encoder_common.sources import SourcePolicy
 from encoder_server.batcher import BatchingConfig
 from encoder_server.images import decode_image
 from encoder_server.models import load_vision_encoder
 from encoder_server.sglang.embedding_data import SGLANG_VERSION
-from encoder_common.sources import SourcePolicy
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import sglang_encoder_pb2 as sglang_pb

@@ -20,7 +20,7 @@ import torch
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.servers import running_server
-from testkit.sglang_server import SGLANG_PYTHON, launch_sglang, language_only_args
+from testkit.sglang_server import SGLANG_PYTHON, language_only_args, launch_sglang
 from tests.support.gateway import TOP_LOGPROBS, data_url, engine_session, images, logprob_gap
 
 pytestmark = pytest.mark.engine

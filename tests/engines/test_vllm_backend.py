@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from receiver import EncoderReceiver
-from receiver.vllm_releases import (
+from encoder_common.vllm_releases import (
     TOWER_BACKEND_VLLM,
     TOWER_BACKEND_VLLM_BELOW,
     TOWER_BACKEND_VLLM_FROM,
     in_supported_range,
 )
+from receiver import EncoderReceiver
 from testkit import REPO_ROOT, load_script
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files

@@ -1,5 +1,5 @@
 """The vLLM releases the connector runs on, checked against the installed vLLM's own classes: it imports on
-any version, accepts a version string inside `receiver.vllm_releases.SUPPORTED_VLLM`, and refuses one
+any version, accepts a version string inside `encoder_common.vllm_releases.SUPPORTED_VLLM`, and refuses one
 outside it, or an interface lacking a method or with a changed signature, when vLLM starts it: naming the
 version and what is missing, never as an ImportError. The gateway refuses to start in front of a vLLM
 reporting a release outside the range."""
@@ -12,9 +12,9 @@ import subprocess
 import pytest
 from aiohttp import web
 
+from encoder_common.vllm_releases import SUPPORTED_VLLM, in_supported_range, release
 from gateway.app import start
 from gateway.config import GatewayConfig
-from receiver.vllm_releases import SUPPORTED_VLLM, in_supported_range, release
 from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, engines_env, launch_vllm
 

@@ -22,16 +22,15 @@ from gateway.app import start
 from gateway.cli import build_parser, config_from_args
 from gateway.protocol import image_parts, replace_parts
 from receiver import EncoderReceiver, ReceiverConfig
-from testkit.checkpoints import write_checkpoint
 from testkit import REPO_ROOT
+from testkit.checkpoints import write_checkpoint
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.launcher import launch_server
 from testkit.servers import running_server
 from testkit.vllm_server import free_port
-from tests.support.gateway import chat_request, data_url, image_part, running_gateway
 from tests.encoder_server.test_security import TOKEN, pki, token_file  # noqa: F401  (fixtures)
-
+from tests.support.gateway import chat_request, data_url, image_part, running_gateway
 
 # A gateway on 127.0.0.1 whose engine URL is, unless given, a port nothing listens on.
 gateway = functools.partial(running_gateway, None)

@@ -12,9 +12,9 @@ from gateway.config import GatewayConfig
 from gateway.handoff import ConnectorHandoff, InlineEmbedsHandoff, engine_embedding, leased_part
 from gateway.protocol import image_parts, replace_parts
 from receiver import EncoderReceiver
-from receiver.connector_fetches import ItemFile
-from receiver.fetch import lease_key
-from receiver.item_files import create_item_file
+from receiver.fleet.fetch import lease_key
+from receiver.vllm.fetches import ItemFile
+from receiver.vllm.item_files import create_item_file
 from testkit.checkpoints import write_checkpoint
 from testkit.images import image_bytes
 from testkit.servers import running_server

@@ -14,8 +14,8 @@ from encoder_common.families import FAMILIES
 from gateway.handoff import HANDOFFS, ConnectorHandoff, InlineEmbedsHandoff, check_family
 from protos import encoder_pb2 as pb
 from receiver import EncoderReceiver
-from receiver.fetch import item_uuid, lease_key
-from receiver.result import EncodeResult, ItemResult
+from receiver.embeddings.result import EncodeResult, ItemResult
+from receiver.fleet.fetch import item_uuid, lease_key
 from testkit.checkpoints import write_checkpoint
 from testkit.images import image_bytes
 from testkit.servers import running_server

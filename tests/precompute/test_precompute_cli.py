@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from receiver import EncoderReceiver, InvalidItemError
 from precompute.command import main
-from receiver.precomputed_files import load_precomputed, precomputed_item
-from testkit.rpc_log import logged_server
+from receiver import EncoderReceiver, InvalidItemError
+from receiver.embeddings.precomputed_files import load_precomputed, precomputed_item
 from testkit import REPO_ROOT
 from testkit.images import image_bytes
+from testkit.rpc_log import logged_server
 
 
 def sha(data: bytes) -> str:

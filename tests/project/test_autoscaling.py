@@ -48,6 +48,7 @@ def manifests(name: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all((AUTOSCALING / name).read_text()) if doc]
 
 
+@pytest.mark.services
 def test_promtool_checks_the_rules_and_their_unit_tests_pass(tmp_path):
     checked = subprocess.run([tool("promtool"), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert checked.returncode == 0 and "SUCCESS" in checked.stdout, checked.stdout + checked.stderr
@@ -181,6 +182,7 @@ async def steady_load(url: str, rate: float, images: list[bytes], stop: asyncio.
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+@pytest.mark.services
 async def test_prometheus_scraping_two_loaded_encoders_gets_the_formulas_replicas(
     default_model_dir, tmp_path
 ):

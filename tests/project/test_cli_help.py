@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from encoder_common.env_flags import comma_separated, config_from_args
+from encoder_common.sources import SourcePolicy, networks, root_paths
 from encoder_server import cli
 from encoder_server.batcher import BatchingConfig
 from encoder_server.config import ServerConfig, pixels_or_engine, port_or_off
 from encoder_server.sglang.config import sglang_release
-from encoder_server.transports.shm import ShmConfig
-from encoder_common.sources import SourcePolicy, networks, root_paths
 from encoder_server.tls import TlsConfig
-from receiver import cli as client_cli
-from receiver.config import ReceiverConfig
-from precompute import command as precompute
+from encoder_server.transports.shm import ShmConfig
 from gateway import cli as gateway_cli
 from gateway.config import GatewayConfig
+from precompute import command as precompute
+from receiver import cli as client_cli
+from receiver.config import ReceiverConfig
 from testkit import REPO_ROOT
 
 # command -> (module, parser builder, env prefix, arguments a valid command line needs)

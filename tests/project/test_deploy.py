@@ -229,7 +229,7 @@ def test_build_context_installs_the_project_with_generated_code_and_commands(tmp
         assert "extra == \"server\"" in line, line
     for module in (
         "protos/encoder_pb2.py", "protos/encoder_pb2_grpc.py", "encoder_common/errors.py", "encoder_server/cli.py",
-        "receiver/discovery.py",
+        "receiver/fleet/discovery.py",
     ):
         assert module in names
     assert "encoder-server = encoder_server.cli:main" in entry_points

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from receiver import FailoverPolicy, ShardError
 from encoder_common.load_report import LoadReport, parse_load
-from receiver.affinity import PlacementMemory, content_key, place, ranking
-from receiver.load import FleetLoad
-from receiver.placement import Affinity, RequestPlacement
+from receiver import FailoverPolicy, ShardError
+from receiver.fleet.affinity import PlacementMemory, content_key, place, ranking
+from receiver.fleet.load import FleetLoad
+from receiver.fleet.placement import Affinity, RequestPlacement
 
 urls_strategy = st.lists(
     st.integers(1, 65535).map(lambda port: f"grpc://10.0.0.1:{port}"), min_size=1, max_size=8, unique=True

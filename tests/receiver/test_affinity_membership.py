@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from receiver import EncoderReceiver
-from receiver.affinity import content_key, ranking
+from receiver.fleet.affinity import content_key, ranking
 from testkit.fault_proxy import fault_proxy
 from testkit.images import image_bytes
 from testkit.launcher import launch_server

@@ -207,7 +207,7 @@ async def test_the_load_report_of_a_calls_end_is_heard_after_the_result(held_ope
 
 @pytest.mark.parametrize("held_open", [True], indirect=True)
 async def test_a_message_past_the_last_item_is_logged_and_ends_the_call(held_open, caplog):
-    caplog.set_level(logging.WARNING, logger="receiver.channels")
+    caplog.set_level(logging.WARNING, logger="receiver.fleet.channels")
     async with EncoderReceiver([held_open.url], transfer="grpc") as receiver:
         (item,) = (await receiver.encode("r", [{"data": b"image"}])).items
         assert torch.equal(item.embedding, torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from receiver import cli as client_cli
 from receiver import EncoderReceiver
+from receiver import cli as client_cli
 from testkit.images import image_bytes
 from testkit.servers import running_server
 

@@ -12,7 +12,14 @@ import torch
 
 from encoder_common.errors import UnavailableError
 from receiver import EncoderReceiver
-from receiver.discovery import DEFAULT_PORT, DnsName, EncoderDiscovery, address_url, parse_encoder_url, resolve_all
+from receiver.fleet.discovery import (
+    DEFAULT_PORT,
+    DnsName,
+    EncoderDiscovery,
+    address_url,
+    parse_encoder_url,
+    resolve_all,
+)
 from testkit.images import image_bytes
 from testkit.servers import running_server
 from testkit.vllm_server import free_port

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encoder_server.models import load_vision_encoder
 from protos import encoder_pb2 as pb
 from receiver import EncodeFailedError, EncoderReceiver, FailoverPolicy
-from receiver.channels import EncoderEndpoint
-from receiver.health import HealthTracker
+from receiver.fleet.channels import EncoderEndpoint
+from receiver.fleet.health import HealthTracker
 from testkit.encoders import EncoderDouble
 from testkit.fault_proxy import fault_proxy
 from testkit.images import image_bytes

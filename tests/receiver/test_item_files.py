@@ -1,4 +1,4 @@
-"""Item files (receiver.item_files) keep the shared-memory transport's liveness scheme: a sweep removes
+"""Item files (receiver.vllm.item_files) keep the shared-memory transport's liveness scheme: a sweep removes
 what a killed process left and nothing of a live one, judged by flock, never by pid."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from receiver.item_files import create_item_file, map_item_file, new_item_path, sweep_dead
+from receiver.vllm.item_files import create_item_file, map_item_file, new_item_path, sweep_dead
 from testkit import REPO_ROOT
 
 PREFIX = "encitem"
@@ -20,7 +20,7 @@ CHILD = r"""
 import sys
 from pathlib import Path
 import torch
-from receiver.item_files import create_item_file, new_item_path
+from receiver.vllm.item_files import create_item_file, new_item_path
 path = new_item_path(Path(sys.argv[1]), sys.argv[2])
 create_item_file(path, (4, 8), torch.float32).fill_(1.5)
 print(path, flush=True)

@@ -11,8 +11,8 @@ import torch
 
 from encoder_common.errors import Failover
 from receiver import EncodeFailedError, FailoverPolicy, ItemResult, ShardError
-from receiver.health import backoff_s
-from receiver.placement import RequestPlacement
+from receiver.fleet.health import backoff_s
+from receiver.fleet.placement import RequestPlacement
 
 A, B, C = "grpc://a:1", "grpc://b:1", "grpc://c:1"
 

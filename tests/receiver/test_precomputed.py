@@ -9,9 +9,9 @@ import torch
 
 from protos import encoder_pb2 as pb
 from receiver import EncoderError, EncoderReceiver, InvalidItemError, UnsupportedModalityError
-from receiver.precomputed import precomputed_result
-from testkit.rpc_log import logged_server
+from receiver.embeddings.precomputed import precomputed_result
 from testkit.images import image_bytes
+from testkit.rpc_log import logged_server
 from testkit.servers import running_server
 
 IMAGES = [

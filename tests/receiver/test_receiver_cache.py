@@ -12,7 +12,7 @@ import torch
 
 from encoder_server.transports.shm import ShmConfig
 from receiver import EncoderReceiver, ItemResult
-from receiver.item_cache import ItemCache
+from receiver.embeddings.item_cache import ItemCache
 from testkit.images import image_bytes
 from testkit.rpc_log import logged_server
 
@@ -80,11 +80,11 @@ async def test_images_that_share_a_fast_hash_never_get_each_others_embedding(pai
     """The cache and the image references key on each image's sha256; the fast hash (xxh3-128) only
     says where to look, here the same for every image."""
     import encoder_common.digests
-    import receiver.failover
+    import receiver.fleet.failover
 
     same = b"same for every image"
     monkeypatch.setattr(encoder_common.digests.xxhash, "xxh3_128_digest", lambda data: same)
-    monkeypatch.setattr(receiver.failover, "content_key", lambda data: same)  # the held digests' and memo's key
+    monkeypatch.setattr(receiver.fleet.failover, "content_key", lambda data: same)  # the held digests' and memo's key
     async with EncoderReceiver([pair[0].url], cache_bytes=64 << 20) as rx:
         first = (await rx.encode("first", [{"data": IMAGES[4]}])).items[0]
         other = (await rx.encode("other", [{"data": IMAGES[5]}])).items[0]

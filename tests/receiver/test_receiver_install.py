@@ -28,7 +28,7 @@ class Refuse(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Refuse())
 
 from receiver import EncoderReceiver
-from receiver.precomputed_files import precomputed_item
+from receiver.embeddings.precomputed_files import precomputed_item
 
 async def main(url, image_path, cache_dir):
     image = open(image_path, "rb").read()

@@ -9,9 +9,9 @@ import os
 
 import pytest
 
+from encoder_common.env_flags import METADATA_KEY
 from encoder_common.errors import SharedMemoryUnavailableError
 from protos import encoder_pb2 as pb
-from encoder_common.env_flags import METADATA_KEY
 from receiver.config import ReceiverConfig
 from receiver.transports import TRANSFERS, TRANSPORTS, open_transport
 

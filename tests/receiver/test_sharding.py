@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from receiver.sharding import plan_shards, random_counts
+from receiver.fleet.sharding import plan_shards, random_counts
 
 
 @pytest.mark.parametrize("num_items", [0, 1, 2, 5, 7, 64])

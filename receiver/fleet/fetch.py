@@ -8,15 +8,15 @@ from collections.abc import Sequence
 
 from encoder_common.errors import EncoderError, NotFoundError
 
-from .assembly import Allocator
+from ..config import FailoverPolicy
+from ..embeddings.assembly import Allocator
+from ..embeddings.result import ItemResult
+from ..transports import ReceiverTransport
+from ..transports.stream import STREAM
 from .channels import EncoderEndpoint
-from .config import FailoverPolicy
-from .result import ItemResult
 from .shard_call import fetch_shard
-from .transports import ReceiverTransport
-from .transports.stream import STREAM
 
-# How a chat request names a leased item to an inference engine's connector (receiver.vllm_connector):
+# How a chat request names a leased item to an inference engine's connector (receiver.vllm.connector):
 # the content part's `uuid`. The key alone, so that the same image has the same uuid whichever encoder
 # holds it (vLLM's prefix cache keys on it too).
 UUID_PREFIX = "enc:"

@@ -4,7 +4,7 @@ functions, no I/O.
 
 Rendezvous hashing scores every (key, encoder) pair and ranks encoders by score, so when an encoder
 joins or leaves only the keys it ranks first for move. The load bound is on work, in seconds, as the
-encoders measure it (`receiver.load`): a new item passes over an encoder where it would finish later
+encoders measure it (`receiver.fleet.load`): a new item passes over an encoder where it would finish later
 than `balance` x the soonest it could finish on any encoder, and goes to the next one of its own
 ranking within that bound. An item this receiver sent before goes back where it went: that encoder
 holds its embedding, which costs no forward.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .config import DEFAULT_BALANCE
+from ..config import DEFAULT_BALANCE
 
 # Keys whose encoders the receiver remembers: ~100 bytes each, so about 10 MB at most.
 DEFAULT_MEMORY_KEYS = 100_000

@@ -1,13 +1,6 @@
-"""The vLLM releases this project's vLLM-facing interfaces are written against, declared once: the
-encoder-cache connector (receiver/vllm_connector.py) and the gateway's `image_embeds` part
-(gateway/handoff.py); and the encoder server's vLLM tower backend (encoder_server/models/vllm_backend.py).
-
-Imports nothing from vLLM, so the gateway and the encoder server can use it too. The connector's range was
-read in the wheels: the connector's base class, the scheduler calls it answers and the `image_embeds` part
-are the same in 0.31.0, 0.32.0 and 0.33.0 (docs/vllm-connector.md, "Releases"). Inside the range the
-connector also checks, as vLLM starts it, that the installed vLLM has every method and type it uses
-(`receiver.vllm_contract`).
-"""
+"""The vLLM releases this project's vLLM-facing code is written against, declared once (the connector,
+the gateway's `image_embeds` part, the server's vLLM tower backend), and the range check. Imports nothing
+from vLLM."""
 
 from __future__ import annotations
 

@@ -15,20 +15,20 @@ import grpc
 from encoder_common.errors import Failover
 from protos import encoder_pb2 as pb
 
+from ..config import DEFAULT_BALANCE, FailoverPolicy, ReceiverConfig
+from ..embeddings.item_cache import ItemCache
+from ..embeddings.result import ItemResult
+from ..errors import ShardError
+from ..metrics import ReceiverMetrics
+from ..transports import ReceiverTransport
+from .affinity import PlacementMemory, content_key
 from .channels import EncoderEndpoint
-from .config import DEFAULT_BALANCE, FailoverPolicy, ReceiverConfig
 from .discovery import EncoderDiscovery, EndpointPool, Resolver
-from .errors import ShardError
 from .health import HealthTracker
 from .held_images import DIGESTS
-from .item_cache import ItemCache
-from .metrics import ReceiverMetrics
-from .affinity import PlacementMemory, content_key
 from .load import FleetLoad
 from .placement import Affinity, RequestPlacement
-from .result import ItemResult
 from .shard_call import encode_shard
-from .transports import ReceiverTransport
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Fleet:
     transport: ReceiverTransport
     rng: random.Random  # the random sharding's
     jitter: random.Random  # back-off jitter
-    placement: str = "random"  # or "affinity" (receiver.affinity)
+    placement: str = "random"  # or "affinity" (receiver.fleet.affinity)
     balance: float = DEFAULT_BALANCE  # affinity's load bound: x the soonest an item could finish
     load: FleetLoad = field(default_factory=FleetLoad)  # the encoders' reported load and what was sent since
     memory: PlacementMemory = field(default_factory=PlacementMemory)  # where affinity sent each key lately
@@ -125,85 +125,106 @@ async def encode_with_failover(
     fleet: Fleet, job: EncodeJob, sources: Mapping[int, bytes], keys: Mapping[int, bytes]
 ) -> None:
     """Places `sources` (image bytes by item index) on encoders, and re-places those of every failed
-    shard, until all are in `job.results`.
+    shard, until all are in `job.results`. `keys` holds each item's content key (`affinity.content_key`)."""
+    run = FailoverRun(fleet, job, sources, keys)
+    try:
+        await run.until_done()
+    finally:
+        run.stop()
 
-    `RequestPlacement` decides what each failure means; this loop runs the calls it plans. Items an
-    encoder refused as overloaded wait out their back-off on a timer while the other shards go on.
-    Encoders are looked up again (and `dns:` names re-resolved when due) at each placement, so
-    re-placed items can land on pods that just appeared. `keys` holds each item's content key
-    (`affinity.content_key`).
-    """
-    request_id, deadline, results, lease = job.request_id, job.deadline, job.results, job.lease
-    by_content = None
-    if fleet.placement == "affinity":
-        by_content = Affinity(keys, fleet.balance, fleet.load, fleet.memory)
-    placement = RequestPlacement(
-        request_id, sources, deadline, fleet.policy,
-        num_items_assigned=job.num_items_assigned, jitter=fleet.jitter, affinity=by_content,
-    )  # fmt: skip
-    running: dict[asyncio.Task, EncoderEndpoint | None] = {}  # shard calls; back-off timers map to None
 
-    def arrived(result: ItemResult) -> None:
-        results[result.index] = result
-        placement.item_arrived(result)
-        if job.on_item is not None:
-            job.on_item(result)
+class FailoverRun:
+    """One request's shard calls: `RequestPlacement` decides what each failure means, this runs the calls
+    it plans. Items an encoder refused as overloaded wait out their back-off on a timer while the other
+    shards go on. Encoders are looked up again (and `dns:` names re-resolved when due) at each placement,
+    so re-placed items can land on pods that just appeared."""
 
-    async def shard(encoder: EncoderEndpoint, indices: list[int]) -> ShardError | None:
-        items = [(index, sources[index]) for index in indices]
-        sent = fleet.load.sending(encoder.url, sum(placement.costs.get(index, 0.0) for index in indices))
+    def __init__(
+        self, fleet: Fleet, job: EncodeJob, sources: Mapping[int, bytes], keys: Mapping[int, bytes]
+    ) -> None:
+        self.fleet, self.job, self.sources, self.keys = fleet, job, sources, keys
+        by_content = None
+        if fleet.placement == "affinity":
+            by_content = Affinity(keys, fleet.balance, fleet.load, fleet.memory)
+        self.placement = RequestPlacement(
+            job.request_id, sources, job.deadline, fleet.policy,
+            num_items_assigned=job.num_items_assigned, jitter=fleet.jitter, affinity=by_content,
+        )  # fmt: skip
+        self.running: dict[asyncio.Task, EncoderEndpoint | None] = {}  # shard calls; back-off timers: None
+
+    async def until_done(self) -> None:
+        """Places what is pending and settles each call as it ends, until no call is left."""
+        while True:
+            if self.placement.pending and await self._place_pending():
+                continue
+            if not self.running:
+                return
+            finished, _ = await asyncio.wait(
+                self.running, timeout=self.placement.time_left(), return_when=asyncio.FIRST_COMPLETED
+            )
+            if not finished:
+                raise self.placement.deadline_passed()
+            for task in finished:
+                encoder = self.running.pop(task)
+                if encoder is None:  # a back-off timer: its items are due again
+                    self.placement.due_again(task.result())
+                else:
+                    self._settle(encoder, task.result())
+
+    def stop(self) -> None:
+        for task in self.running:
+            task.cancel()
+        self.fleet.metrics.placed(self.placement.placed)
+
+    async def _place_pending(self) -> bool:
+        """Starts the shard calls of the pending items; True when a lone call already ran to its end here."""
+        fleet = self.fleet
+        known = await fleet.pool.endpoints()
+        usable = await fleet.health.usable(known, self.placement.benched, self.job.deadline)
+        planned = self.placement.plan(usable, len(known), fleet.rng)
+        shards = [(encoder, self._call(encoder, indices)) for encoder, indices in planned]
+        if len(shards) == 1 and not self.running:
+            # A lone call (all items on one encoder, nothing else pending) runs in this task: no task and
+            # no wait of its own. Its gRPC deadline is the request's.
+            encoder, call = shards[0]
+            self._settle(encoder, await call)
+            return True
+        for encoder, call in shards:
+            self.running[asyncio.create_task(call)] = encoder
+        return False
+
+    def _arrived(self, result: ItemResult) -> None:
+        self.job.results[result.index] = result
+        self.placement.item_arrived(result)
+        if self.job.on_item is not None:
+            self.job.on_item(result)
+
+    async def _call(self, encoder: EncoderEndpoint, indices: list[int]) -> ShardError | None:
+        fleet, job = self.fleet, self.job
+        items = [(index, self.sources[index]) for index in indices]
+        sent = fleet.load.sending(encoder.url, sum(self.placement.costs.get(index, 0.0) for index in indices))
         try:
             return await encode_shard(
-                encoder, request_id, items, keys,
-                deadline=deadline, policy=fleet.policy, arrived=arrived, transport=fleet.transport, lease=lease,
+                encoder, job.request_id, items, self.keys,
+                deadline=job.deadline, policy=fleet.policy, arrived=self._arrived, transport=fleet.transport,
+                lease=job.lease,
             )  # fmt: skip
         finally:
             fleet.load.settled(encoder.url, sent)
 
-    def settle(encoder: EncoderEndpoint, error: ShardError | None) -> None:
+    def _settle(self, encoder: EncoderEndpoint, error: ShardError | None) -> None:
         """A shard ended: its encoder is healthy, or its items go elsewhere or wait out a back-off."""
+        fleet = self.fleet
         if error is None:
             fleet.health.of(encoder).mark_healthy()
             return
         fleet.shard_failed(error)
-        retry = placement.shard_failed(error)  # raises when the request cannot succeed
+        retry = self.placement.shard_failed(error)  # raises when the request cannot succeed
         if retry.failover is Failover.BACK_OFF:  # overloaded is not broken: not benched for others
             fleet.metrics.retry(encoder.url, len(retry.item_indices))
             timer = asyncio.sleep(retry.delay_s, result=retry.item_indices)
-            running[asyncio.create_task(timer)] = None
+            self.running[asyncio.create_task(timer)] = None
         else:
             fleet.health.of(encoder).mark_failed(f"{error.status}: {error.message}")
             fleet.metrics.failover(encoder.url, len(retry.item_indices))
-            log.warning("request %s: %s; re-placing its items", request_id, error)
-
-    try:
-        while True:
-            if placement.pending:
-                known = await fleet.pool.endpoints()
-                usable = await fleet.health.usable(known, placement.benched, deadline)
-                planned = placement.plan(usable, len(known), fleet.rng)
-                shards = [(encoder, shard(encoder, indices)) for encoder, indices in planned]
-                if len(shards) == 1 and not running:
-                    # A lone call (all items on one encoder, nothing else pending) runs in this task:
-                    # no task and no wait of its own. Its gRPC deadline is the request's.
-                    encoder, call = shards[0]
-                    settle(encoder, await call)
-                    continue
-                for encoder, call in shards:
-                    running[asyncio.create_task(call)] = encoder
-            if not running:
-                return
-            time_left = placement.time_left()
-            finished, _ = await asyncio.wait(running, timeout=time_left, return_when=asyncio.FIRST_COMPLETED)
-            if not finished:
-                raise placement.deadline_passed()
-            for task in finished:
-                encoder = running.pop(task)
-                if encoder is None:  # a back-off timer: its items are due again
-                    placement.due_again(task.result())
-                else:
-                    settle(encoder, task.result())
-    finally:
-        for task in running:
-            task.cancel()
-        fleet.metrics.placed(placement.placed)
+            log.warning("request %s: %s; re-placing its items", self.job.request_id, error)

@@ -1,5 +1,5 @@
-"""The vLLM release contract of the encoder-cache connector (receiver/vllm_connector.py): as vLLM creates
-the connector, the installed vLLM must be inside the declared range (receiver/vllm_releases.py) and have
+"""The vLLM release contract of the encoder-cache connector (receiver/vllm/connector.py): as vLLM creates
+the connector, the installed vLLM must be inside the declared range (encoder_common/vllm_releases.py) and have
 every method, signature and type the connector relies on; otherwise vLLM fails at start-up with a message
 naming its version and each gap. vLLM is imported only when the check runs."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Container, Iterable
 
-from .vllm_releases import SUPPORTED_VLLM, in_supported_range
+from encoder_common.vllm_releases import SUPPORTED_VLLM, in_supported_range
 
 
 class VllmContractError(RuntimeError):

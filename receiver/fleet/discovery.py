@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 from encoder_common.errors import UnavailableError
 
-from .channels import EncoderEndpoint, grpc_target
-from .config import DEFAULT_REFRESH_S
-from .metrics import ReceiverMetrics
+from ..config import DEFAULT_REFRESH_S
+from ..metrics import ReceiverMetrics
+from ..urls import grpc_target
+from .channels import EncoderEndpoint
 
 log = logging.getLogger(__name__)
 

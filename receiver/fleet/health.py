@@ -9,9 +9,8 @@ import random
 import time
 from collections.abc import Sequence
 
+from ..config import FailoverPolicy
 from .channels import EncoderEndpoint
-from .config import FailoverPolicy
-
 
 # Doublings counted at most: 2**64 times any first delay outlasts any cap, and an encoder down for hours
 # fails thousands of probes in a row (2**1024 no longer converts to a float).

@@ -14,13 +14,13 @@ from encoder_common.errors import SharedMemoryUnavailableError, error_class_for
 from protos import encoder_pb2 as pb
 from protos import wire
 
-from .assembly import Allocator, ShardAssembler, StreamProtocolError
+from ..config import FailoverPolicy
+from ..embeddings.assembly import Allocator, ShardAssembler, StreamProtocolError
+from ..embeddings.result import ItemResult
+from ..errors import ShardError
+from ..transports import ReceiverTransport
+from ..transports.stream import STREAM
 from .channels import EncoderEndpoint
-from .config import FailoverPolicy
-from .errors import ShardError
-from .result import ItemResult
-from .transports import ReceiverTransport
-from .transports.stream import STREAM
 
 
 @dataclass(frozen=True)
@@ -101,22 +101,7 @@ async def encode_shard(
     """
     indices = [index for index, _ in items]
     digests = {index: endpoint.held.digest(keys[index], data) for index, data in items}
-    withheld = lease is not None and lease.withhold_payload
-    fields = pb.EncodeRequest(request_id=request_id, lease=lease)  # the request but for its items
-    read_placed = None if withheld else transport.open_call(fields, endpoint.url)
-    # A held image goes as its digest and no bytes (content_sha256=None leaves the field unset).
-    request = wire.encode_request(
-        fields,
-        [
-            (pb.ImageItem(index=index, modality=pb.IMAGE, content_sha256=digests[index]),
-             None if digests[index] is not None else data)
-            for index, data in items
-        ],
-    )  # fmt: skip
-    references = [index for index in indices if digests[index] is not None]
-    assembler = ShardAssembler(
-        indices, endpoint.url, read_placed, payloads=not withheld, references=references
-    )
+    request, assembler = _encode_request(endpoint.url, request_id, items, digests, transport, lease)
 
     def failed(code: grpc.StatusCode | None, message: str, missing: Sequence[int]) -> ShardError:
         return ShardError(
@@ -149,6 +134,33 @@ async def encode_shard(
     if missing:
         return failed(None, "stream ended before these items arrived", missing)
     return None
+
+
+def _encode_request(
+    url: str,
+    request_id: str,
+    items: Sequence[tuple[int, bytes]],
+    digests: Mapping[int, bytes | None],
+    transport: ReceiverTransport,
+    lease: pb.Lease | None,
+) -> tuple[bytes, ShardAssembler]:
+    """The framed Encode request for `items`, with the transport's offer, and the assembler that reads its
+    answer. An image whose digest is given goes as that digest alone (the encoder said it keeps it)."""
+    withheld = lease is not None and lease.withhold_payload
+    fields = pb.EncodeRequest(request_id=request_id, lease=lease)  # the request but for its items
+    read_placed = None if withheld else transport.open_call(fields, url)
+    # A held image goes as its digest and no bytes (content_sha256=None leaves the field unset).
+    request = wire.encode_request(
+        fields,
+        [
+            (pb.ImageItem(index=index, modality=pb.IMAGE, content_sha256=digests[index]),
+             None if digests[index] is not None else data)
+            for index, data in items
+        ],
+    )  # fmt: skip
+    references = [index for index, _ in items if digests[index] is not None]
+    indices = [index for index, _ in items]
+    return request, ShardAssembler(indices, url, read_placed, payloads=not withheld, references=references)
 
 
 async def fetch_shard(
@@ -202,7 +214,7 @@ class StallWatch:
     only when the stream has been silent that long.
     """
 
-    __slots__ = ("policy", "endpoint", "call", "last_message", "stalled", "reason", "_timer", "_probe")
+    __slots__ = ("_probe", "_timer", "call", "endpoint", "last_message", "policy", "reason", "stalled")
 
     def __init__(self, policy: FailoverPolicy, endpoint: EncoderEndpoint, call: grpc.aio.UnaryStreamCall):
         self.policy = policy

@@ -1,6 +1,6 @@
 """Images an encoder said it keeps (encoder.v1 revision 3, docs/wire-protocol.md#image-references-revision-3):
 for one encoder, the sha256 its headers gave for each image, by the receiver's content key (xxh3-128 of
-the bytes, `receiver.affinity.content_key`), so that the image goes there next time as its digest alone
+the bytes, `receiver.fleet.affinity.content_key`), so that the image goes there next time as its digest alone
 instead of its bytes. The fast key only says where to look: an image is named by a digest only once
 its own bytes are confirmed to hash to it (DIGESTS), so a collision of the fast hash costs a call with
 the bytes, never another image's embedding. An LRU bounded in entries; used from one event loop."""
@@ -12,7 +12,7 @@ from collections import OrderedDict
 from encoder_common.digests import DigestMemo
 
 # The sha256 of image bytes this process confirmed lately, shared by its receivers (their held digests
-# here, and their caches' keys in receiver.failover): a repeated image is confirmed by comparing its
+# here, and their caches' keys in receiver.fleet.failover): a repeated image is confirmed by comparing its
 # bytes (~10 us for 465 KB) instead of hashing them (~0.2 ms).
 DIGESTS = DigestMemo()
 

@@ -12,9 +12,9 @@ import grpc
 from encoder_common.errors import error_class_for
 from protos import encoder_pb2 as pb
 
+from ..embeddings.precomputed import agreed_model, is_precomputed, precomputed_results
+from ..embeddings.result import ItemResult
 from .discovery import EndpointPool
-from .precomputed import agreed_model, is_precomputed, precomputed_results
-from .result import ItemResult
 
 
 class ServedModel:

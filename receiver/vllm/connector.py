@@ -1,16 +1,16 @@
 """`EncoderServiceConnector`: a vLLM encoder-cache connector for `ec_consumer` instances that pulls each
-image's embedding from the encoder pods by its lease key; for the vLLM releases of `receiver.vllm_releases`.
+image's embedding from the encoder pods by its lease key; for the vLLM releases of `encoder_common.vllm_releases`.
 
 vLLM loads it out of tree: `--ec-transfer-config '{"ec_connector": "EncoderServiceConnector",
-"ec_connector_module_path": "receiver.vllm_connector", "ec_role": "ec_consumer",
+"ec_connector_module_path": "receiver.vllm.connector", "ec_role": "ec_consumer",
 "ec_connector_extra_config": {"encoders": ["grpc://enc-0:50051"]}}'`. A request names each item by a
-metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fetch.item_uuid`),
+metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fleet.fetch.item_uuid`),
 optionally with `ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it. For
 families whose placeholders vLLM sizes from the image (LLaVA-NeXT/OneVision, InternVL, Gemma 3, ...) the
 part is the raw image with that `uuid`: vLLM's processor sizes the placeholders, and the embedding is still
 fetched, so vLLM's own tower does not run.
 
-The module imports on any vLLM; when vLLM creates the connector, `receiver.vllm_contract` refuses a
+The module imports on any vLLM; when vLLM creates the connector, `receiver.vllm.contract` refuses a
 release outside the declared range or one lacking a method, signature or type the connector relies on,
 naming the version and what is missing.
 
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .connector_fetches import ItemFile, SchedulerFetches
+from .contract import check_vllm_contract
+from .fetches import ItemFile, SchedulerFetches
 from .item_files import DEFAULT_DIRECTORY
-from .vllm_contract import check_vllm_contract
 
 try:
     from vllm.distributed.ec_transfer.ec_connector.base import (

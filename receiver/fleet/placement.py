@@ -22,12 +22,12 @@ from encoder_common.errors import (
     status_for_class,
 )
 
+from ..config import FailoverPolicy
+from ..embeddings.result import ItemResult
+from ..errors import EncodeFailedError, ItemAttempt, ShardError
 from . import affinity
-from .errors import EncodeFailedError, ItemAttempt, ShardError
-from .config import FailoverPolicy
 from .health import backoff_s
 from .load import FleetLoad
-from .result import ItemResult
 from .sharding import plan_shards
 
 
@@ -40,7 +40,7 @@ Encoder = TypeVar("Encoder", bound=HasUrl)
 
 @dataclass(frozen=True)
 class Affinity:
-    """Placement by content and load for one request (see `receiver.affinity`): each item's content key,
+    """Placement by content and load for one request (see `receiver.fleet.affinity`): each item's content key,
     the balance factor, the encoders' load (shared, read at each plan) and where keys went before."""
 
     keys: Mapping[int, bytes]

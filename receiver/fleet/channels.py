@@ -14,26 +14,18 @@ from encoder_common.load_report import LoadReport, parse_load
 from protos import encoder_pb2 as pb
 from protos import wire
 
-from .config import ClientTls
+from ..config import ClientTls
+from ..urls import grpc_target
 from .held_images import HeldImages
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
 SERVICE_NAME = _SERVICE[1:]
-_SCHEMES = {"grpc://": False, "grpcs://": True}
 # How long closing an endpoint waits for the ends of calls whose items all arrived (`hear_end`).
 ENDS_GRACE_S = 2.0
 
 log = logging.getLogger(__name__)
 
 
-def grpc_target(url: str) -> str:
-    """`grpc://host:port`, `grpcs://host:port` (or a bare `host:port`) to the target string grpc dials."""
-    for scheme in _SCHEMES:
-        if url.startswith(scheme):
-            return url[len(scheme) :]
-    if "://" in url:
-        raise ValueError(f"unsupported encoder URL {url!r}: use grpc://host:port or grpcs://host:port")
-    return url
 
 
 @dataclass

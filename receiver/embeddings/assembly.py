@@ -14,15 +14,12 @@ from encoder_common.errors import EncoderError
 from protos import encoder_pb2 as pb
 from protos import wire
 
+from ..transports import PayloadReader, Placement
 from .buffers import POOL
 from .result import ItemResult
-from .transports import Placement
 
 # Makes the uninitialized tensor an item's payload is received into, from its shape and dtype.
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-# Reads an item's header for the call's transport: where its payload is, and its tensor when the
-# transport placed it (ReceiverTransport.open_call returns one per call).
-PayloadReader = Callable[[pb.ItemHeader], tuple[Placement, torch.Tensor | None]]
 
 
 class StreamProtocolError(EncoderError):

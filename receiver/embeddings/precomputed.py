@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from encoder_common.errors import EncoderError, InvalidItemError
 from protos import encoder_pb2 as pb
 from protos import wire
-from encoder_common.errors import EncoderError, InvalidItemError
 
 from .result import ItemResult
 

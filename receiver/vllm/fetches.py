@@ -1,4 +1,4 @@
-"""The scheduler-side half of `EncoderServiceConnector` (receiver/vllm_connector.py): one fetch per item
+"""The scheduler-side half of `EncoderServiceConnector` (receiver/vllm/connector.py): one fetch per item
 identifier, shared by every request that names it, run on an event loop of its own thread; each embedding
 is received into a file under the shared-memory directory, announced to the worker once vLLM allocates its
 encoder-cache slot, and removed when its last request goes.
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .client import EncoderReceiver
-from .fetch import UUID_PREFIX, lease_key
+from ..client import EncoderReceiver
+from ..fleet.fetch import UUID_PREFIX, lease_key
 from .item_files import create_item_file, map_item_file, new_item_path, sweep_dead
 
 if TYPE_CHECKING:
