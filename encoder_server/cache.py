@@ -95,13 +95,18 @@ class EmbeddingCache:
         """Whether the LRU keeps `key`'s payload now (a lookup that is not counted nor refreshes it)."""
         return key in self._entries
 
+    def hit(self, key: bytes) -> ItemPayload | None:
+        """The payload held for `key`, counted as a hit, or None (not counted: a computation follows)."""
+        payload = self.get(key)
+        if payload is not None:
+            self.hits += 1
+        return payload
+
     def lookup(self, key: bytes) -> ItemPayload | None:
         """The payload of an item named by reference (its image's sha256), counted as a hit, or None."""
-        payload = self.get(key)
+        payload = self.hit(key)
         if payload is None:
             self.not_held += 1
-        else:
-            self.hits += 1
         return payload
 
     def put(self, key: bytes, payload: ItemPayload) -> None:
@@ -125,9 +130,8 @@ class EmbeddingCache:
 
         Errors of a computation reach every caller waiting for it and are not cached.
         """
-        payload = self.get(key)
+        payload = self.hit(key)
         if payload is not None:
-            self.hits += 1
             return payload, True
         flight = self._flights.get(key)
         joined = flight is not None
