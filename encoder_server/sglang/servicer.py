@@ -1,12 +1,6 @@
-"""The `sglang.grpc.encoder.SglangEncoder` servicer: SGLang's Encode calls go through the native
-servicer's admission, embedding cache and batcher; each part's embedding, or its error, is pushed
-over ZMQ to the SGLang receiver as SGLang's own encoder pushes it.
-
-An SGLang part is one Encode call: its items' embeddings are joined row-wise into one tensor, sent
-as two frames [pickled EmbeddingData, raw tensor bytes]; a failed part sends one frame, an
-EmbeddingData carrying error_msg and error_code, so the receiver fails the request at once
-instead of waiting for its timeout. The RPC's status says the same.
-"""
+"""The `sglang.grpc.encoder.SglangEncoder` servicer: SGLang's Encode calls go through the native item
+pipeline (admission, cache, batcher), and each part's embedding, or its error, is pushed over ZMQ to the
+SGLang receiver as SGLang's own encoder pushes it."""
 
 from __future__ import annotations
 
@@ -96,8 +90,9 @@ class SglangEncoderServicer:
     async def _encode_and_push(
         self, request: sglang_pb.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> sglang_pb.EncodeResponse:
-        """One part, accounted like a native Encode call: encoded, then pushed to its receiver(s). On
-        any failure, the call's cancellation included, the receiver is told (see _tell_failure)."""
+        """One part, accounted like a native Encode call: its items' embeddings joined row-wise into one
+        tensor, pushed to its receiver(s) as two frames [pickled EmbeddingData, raw tensor bytes]. On any
+        failure, the call's cancellation included, the receiver is told (see _tell_failure)."""
         with self.metrics.record(request.req_id, len(request.mm_items), context) as record:
             endpoints: list[str] = []
             try:
@@ -147,9 +142,10 @@ class SglangEncoderServicer:
                 return join_part(request, [out.payload async for out in outs], self.layout)
 
     async def _tell_failure(self, request: sglang_pb.EncodeRequest, endpoints: Sequence[str], exc: BaseException) -> None:
-        """Pushes SGLang's error shape to the part's receiver(s), so the request fails there at once
-        instead of waiting for its timeout. Before the call's status goes out, unless the call was
-        cancelled (its deadline passed): then in the background."""
+        """Pushes SGLang's error shape to the part's receiver(s), one frame (an EmbeddingData carrying
+        error_msg and error_code), so the request fails there at once instead of waiting for its timeout.
+        Before the call's status goes out, unless the call was cancelled (its deadline passed): then in
+        the background."""
         if isinstance(exc, DeliveryError):
             return  # the receiver is what failed
         if not endpoints:  # zmq_to_scheduler: whichever ranks have registered
