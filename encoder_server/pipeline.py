@@ -5,10 +5,9 @@ what the stream budget is charged for it, and lets its forward through."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 
 from protos import encoder_pb2 as pb
@@ -104,12 +103,10 @@ class ItemPipeline:
         # Held from an item's preprocessing until its forward is let through (it may wait for room).
         self._prepare_slots = asyncio.Semaphore(config.preprocess_workers)
 
-    @contextlib.contextmanager
-    def admit(
-        self, items: Sequence[pb.ImageItem], images: Sequence[memoryview | None] | None = None
-    ) -> Iterator[list[ItemFlow]]:
-        """Admits a call's items and gives each one's flow, not started (ItemSender runs them).
-        `images`: per item, its image bytes where the request was parsed without them (EncodeCall).
+    def admit(self, items: Sequence[pb.ImageItem], images: Sequence[memoryview | None] | None = None) -> Admitted:
+        """Admits a call's items: `with pipeline.admit(items) as flows:` gives each one's flow, not started
+        (ItemSender runs them). `images`: per item, its image bytes where the request was parsed without
+        them (EncodeCall).
 
         Raises OverloadedError at once, before any decoding, when the items would not fit beside
         those queued and those still being read or preprocessed: under overload refusals stay fast.
@@ -117,11 +114,7 @@ class ItemPipeline:
         self.check_room(len(items))
         admissions = [_Admission(self) for _ in items]
         images = images or [None] * len(items)
-        try:
-            yield [self._flow(*each) for each in zip(items, images, admissions)]
-        finally:
-            for admission in admissions:  # those whose flow never ran, or was cut short
-                admission.done()
+        return Admitted([self._flow(*each) for each in zip(items, images, admissions)], admissions)
 
     def check_room(self, num_items: int) -> None:
         """Raises OverloadedError when `num_items` more would not fit beside the items queued and
@@ -240,6 +233,25 @@ class ItemPipeline:
             return self.encoder.preprocess(image, self.profile)
         except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
             raise InvalidItemError(f"the image processor refused it: {exc}") from None
+
+
+class Admitted:
+    """A call's admitted items: their flows, and their places in the pipeline's count, given back on exit
+    for those whose flow never ran or was cut short."""
+
+    __slots__ = ("_admissions", "flows")
+
+    def __init__(self, flows: list[ItemFlow], admissions: list[_Admission]):
+        self.flows = flows
+        self._admissions = admissions
+
+    def __enter__(self) -> list[ItemFlow]:
+        return self.flows
+
+    def __exit__(self, *exc_info: object) -> None:
+        for admission in self._admissions:
+            if admission.pending:
+                admission.done()
 
 
 class _Admission:

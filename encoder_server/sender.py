@@ -66,15 +66,22 @@ class ItemSender:
         """Each item's ItemOut, in the flows' order, charged. The flows run at once, each going its own
         way (cache hit, another call's computation, or the batcher) as soon as its bytes are read. Close
         it (`contextlib.aclosing`) so that the items of a call that went away leave the batcher's queue."""
+        charge = self.charge
         if len(flows) == 1:  # a lone item needs no task of its own: one turn of the event loop less
-            yield await self._its_turn(*await self._run(flows[0]))
+            item, computed = await self._run(flows[0])
+            if item.payload is not None and not computed:  # its turn to be sent has come
+                await charge.reserve(item.index, item.payload.nbytes)
+            yield item
             return
         tasks = [asyncio.ensure_future(self._run(flow)) for flow in flows]
         for task in tasks:
             task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
         try:
             for task in tasks:
-                yield await self._its_turn(*await task)
+                item, computed = await task
+                if item.payload is not None and not computed:
+                    await charge.reserve(item.index, item.payload.nbytes)
+                yield item
         finally:
             for task in tasks:
                 task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
@@ -82,7 +89,7 @@ class ItemSender:
     async def _run(self, flow: ItemFlow) -> tuple[ItemOut, bool]:
         """Runs one item's flow to its ItemOut, charging a computation of this call's before letting its
         forward through; True when it did."""
-        async with contextlib.aclosing(flow):
+        try:
             step = await anext(flow)
             if isinstance(step, ItemOut):
                 return step, False
@@ -95,12 +102,8 @@ class ItemSender:
             item = await anext(flow)
             self.charge.release(item.index, step.input_bytes)  # the forward is over
             return item, True
-
-    async def _its_turn(self, item: ItemOut, computed: bool) -> ItemOut:
-        """The item whose turn to be sent has come, charged if it was not for its computation."""
-        if item.payload is not None and not computed:
-            await self.charge.reserve(item.index, item.payload.nbytes)
-        return item
+        finally:
+            await flow.aclose()
 
     async def _send(self, transport: CallTransport, item: ItemOut) -> None:
         index, payload = item.index, item.payload
