@@ -10,16 +10,16 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 
-from protos import encoder_pb2 as pb
 from encoder_common.digests import DigestMemo
 from encoder_common.errors import InvalidItemError, OverloadedError
 from encoder_common.sources import SourceReader
+from protos import encoder_pb2 as pb
 
 from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace, content_key
-from .payload import ItemOut, ItemPayload
 from .config import ServerConfig
 from .models import PreparedImage, VisionEncoder
+from .payload import ItemOut, ItemPayload
 from .profiles import PROFILES, PreprocessProfile
 
 # Items up to this size are read and hashed on the event loop (sha256 runs at 0.4-1.6 GB/s here: at

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import grpc
 
+from encoder_common.errors import InvalidItemError, NotFoundError
 from protos import encoder_pb2 as pb
 from protos import encoder_pb2_grpc as pb_grpc
 from protos import wire
-from encoder_common.errors import InvalidItemError, NotFoundError
 
 from . import __version__
-from .request_parsing import EncodeCall, check_encode_request, parse_encode_request, parse_fetch_request
 from .config import ServerConfig
 from .error_edge import error_edge
 from .leases import LeaseStore
@@ -20,6 +19,7 @@ from .metrics import ServerMetrics
 from .models import ModelSpec
 from .payload import ItemOut
 from .pipeline import ItemPipeline, ready
+from .request_parsing import EncodeCall, check_encode_request, parse_encode_request, parse_fetch_request
 from .sender import ItemSender
 from .streams import StreamBudget
 from .transports import ServerTransports

@@ -15,11 +15,11 @@ from encoder_common.errors import EncoderError, InvalidItemError, UnsupportedMod
 from protos import encoder_pb2 as pb
 from protos import sglang_encoder_pb2 as sglang_pb
 
-from ..request_parsing import check_receive_url_request, check_sglang_encode_request, parse_message
 from ..config import ServerConfig
 from ..error_edge import error_edge
 from ..metrics import ServerMetrics
 from ..pipeline import ItemPipeline
+from ..request_parsing import check_receive_url_request, check_sglang_encode_request, parse_message
 from ..sender import ItemSender
 from ..streams import StreamBudget
 from .config import SglangConfig
