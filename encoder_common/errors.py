@@ -1,9 +1,5 @@
-"""Domain errors of the encode path and the one table that maps them to gRPC and HTTP statuses.
-
-Every side uses it: the server aborts a call with the status of the error it raised, the receiver
-turns a status it got back into the same error class, the gateway answers with its HTTP status, and
-the SGLang service pushes that HTTP status as SGLang's error_code.
-"""
+"""Domain errors of the encode path and the one table that maps them to gRPC and HTTP statuses, for every
+side: the server's statuses, the receiver's errors, the gateway's HTTP answers, SGLang's error_code."""
 
 from __future__ import annotations
 

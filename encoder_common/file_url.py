@@ -1,8 +1,5 @@
 """Reads `file://` URLs confined to allowed directories, size-capped: encoder_common.sources' file reading.
-
-Errors name the URL as the caller gave it, never the resolved path, so a server does not reveal
-its file system layout to clients.
-"""
+Errors name the URL as the caller gave it, never the resolved path, which would reveal the file system."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Downloads an image named by an http(s):// URL on a caller's behalf, without ever opening a connection
-to an internal address unless allowed: the name is resolved and every address checked first, and
-aiohttp connects only to the addresses that passed (TLS still checks the certificate against the name).
-
-Each redirect hop is checked the same way, and the whole download is bounded in size and time.
-"""
+"""Downloads an image named by an http(s):// URL on a caller's behalf, never connecting to an internal
+address unless allowed: the name resolved and every address checked first, at each redirect too; bounded
+in size and time."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
-"""glibc malloc settings for processes that move large payloads: the encoder server, and any process
-that runs `EncoderReceiver` (a prefill engine, the gateway, encoder-client).
-
-With glibc's defaults, every buffer of a megabyte or more (each 1 MiB message gRPC hands to Python,
-each payload framed or received) is mmapped fresh and page-faulted on its first write, and freed
-memory is trimmed away to be faulted in again by the next call. Raising both thresholds keeps that
-memory in the heap for reuse. Measured on a 2-core x86-64 VM (`scripts/profile_dataplane.py
---in-flight 4`, 7 MiB items): the same bare grpcio client took 5.4 ms per call with them and
-7.6 ms without.
-
-The encoder server raises them less: its heap keeps buffers under 32 MiB (gRPC's messages, chunks,
-whole embeddings of a few thousand tokens) and gives back free memory past 64 MiB at its top, while
-anything larger (a large image's pixel values, a forward's activations) is mapped and unmapped, so
-that what a forward or a refused call frees leaves the process instead of staying in a thread's arena
-under a 2 GiB trim threshold. Measured on the same VM on 2026-12-02 (`scripts/stalled_clients.py
---clients 1000`, the built-in model's tower, 512 MiB stream budget): RSS grew 2,599 MiB with the
-receivers' thresholds and 1,929 MiB with the server's; encoding a 1568x896 image took the same time
-with both (paired median ratio 1.00; 0.98 for 448x448), where 4 MiB / 8 MiB cost 12% (7%).
-"""
+"""glibc malloc settings for processes that move large payloads: the encoder server, and any process that
+runs `EncoderReceiver` (a prefill engine, the gateway, encoder-client)."""
 
 from __future__ import annotations
 
@@ -24,8 +7,15 @@ import ctypes
 import ctypes.util
 import os
 
+# With glibc's defaults every buffer of a megabyte or more (each 1 MiB message gRPC hands to Python, each
+# payload framed or received) is mmapped fresh and page-faulted on its first write, and freed memory is
+# trimmed away to be faulted in again by the next call: a receiving process keeps it all in its heap.
 MMAP_THRESHOLD = 1 << 30
 TRIM_THRESHOLD = 2 << 30
+# The server keeps buffers under 32 MiB (gRPC's messages, chunks, embeddings of a few thousand tokens) in
+# its heap, while larger ones (a large image's pixel values, a forward's activations) are mapped and
+# unmapped: what a forward or a refused call frees leaves the process, instead of staying in a thread's
+# arena (docs/reliability-security.md has the stalled-clients run that measured both).
 SERVER_MMAP_THRESHOLD = 32 << 20
 SERVER_TRIM_THRESHOLD = 64 << 20
 

@@ -1,10 +1,6 @@
-"""Shared-memory files at run time, for both sides: which directory, creating a file under this
-process's liveness lock, and sweeping away what dead instances left behind.
-
-A process holds an flock on its instance's lock file for its whole life; the kernel drops it when
-the process dies, SIGKILL included, which is how a sweep tells dead instances from live ones across
-PID namespaces (containers sharing one memory-backed volume).
-"""
+"""Shared-memory files at run time, for both sides: which directory, creating a file under this process's
+liveness lock (an flock the kernel drops when the process dies, SIGKILL included, seen across PID
+namespaces), and sweeping away what dead instances left behind."""
 
 from __future__ import annotations
 

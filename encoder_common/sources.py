@@ -1,10 +1,6 @@
-"""The one reader of image sources, and its policy: `data:` URIs, `file://` URLs under configured roots and
-http(s) URLs fetched without reaching internal addresses, each bounded in size. Every command that reads
-images (encoder-server with its SGLang service, encoder-gateway, the receiver) uses it with the same flags.
-
-Only http(s) needs aiohttp (encoder_common.http_fetch), imported when a URL is first fetched, so the
-receiver reads `data:` and `file://` without it.
-"""
+"""The one reader of image sources and its policy, used with the same flags by every command that reads
+images: `data:` URIs, `file://` URLs under configured roots, and http(s) URLs fetched without reaching
+internal addresses (aiohttp imported only then), each bounded in size."""
 
 from __future__ import annotations
 

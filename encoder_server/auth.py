@@ -1,8 +1,5 @@
 """Optional bearer-token authentication: calls without `authorization: Bearer <token>` get UNAUTHENTICATED.
-
-Tokens come from a file (one per line, so a new one can be rolled out beside the old), are
-compared in constant time and are never logged.
-"""
+Tokens come from a file, one per line (a new one rolls out beside the old), compared in constant time."""
 
 from __future__ import annotations
 
@@ -36,7 +33,7 @@ def _digest(token: bytes) -> bytes:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call that does not carry one of the configured tokens.
+    """Refuses every call that does not carry one of the configured tokens; no token is ever logged.
 
     Health probes stay open unless `protect_health` is set: load balancers and orchestrators
     probe without credentials.

@@ -1,13 +1,5 @@
-"""Dynamic batching: concurrent Encode calls feed one bounded queue, one worker thread runs the forwards.
-
-The worker takes whatever is waiting (up to a number of images and of patches per batch, after an
-optional short wait for more), runs one forward for all of it and resolves each item's future on
-its caller's event loop. An item whose future is cancelled (its caller went away or its deadline
-passed) leaves the queue at once and never costs a forward.
-
-It also measures its own load (`BatcherLoad`, with `work_meter.WorkMeter`), which the receivers place by and the autoscaler reads:
-the seconds of forward work queued, the seconds one item costs, and how far demand is over capacity.
-"""
+"""Dynamic batching: concurrent calls feed one bounded queue, one worker thread runs the forwards, and
+the load it measures (`BatcherLoad`) is what receivers place by and the autoscaler reads."""
 
 from __future__ import annotations
 
@@ -80,7 +72,12 @@ class _Pending:
 
 
 class Batcher:
-    """Owns the forward thread; `submit` is called from the event loop."""
+    """Owns the forward thread; `submit` is called from the event loop.
+
+    The worker takes whatever is waiting (up to a number of images and of patches per batch, after an
+    optional short wait for more), runs one forward for all of it and resolves each item's future on its
+    caller's event loop. An item whose future is cancelled leaves the queue at once: no forward for it.
+    """
 
     def __init__(self, encoder: VisionEncoder, config: BatchingConfig = BatchingConfig()):
         self.encoder = encoder

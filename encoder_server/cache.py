@@ -1,10 +1,5 @@
 """The embedding cache: an LRU of framed item responses bounded in bytes, keyed by content, single-flight.
-
-A key is a full sha256 over the image bytes' sha256 and a namespace that pins everything else the
-output depends on (weights, preprocessing settings and profile, served dtype, tower backend), so equal keys mean equal
-embeddings. A hit costs no decode, preprocessing or forward, and not even the framing copy: the
-chunks kept are the very bytes objects sent the first time.
-"""
+A hit costs no decode, preprocessing, forward or framing: its chunks are the bytes objects first sent."""
 
 from __future__ import annotations
 
@@ -23,7 +18,9 @@ KEY_VERSION = b"encoder-cache-v3"  # v2: the preprocessing profile joined the na
 
 
 def cache_namespace(spec: ModelSpec, profile: PreprocessProfile) -> bytes:
-    """The part of every key that pins the model: its weights, preprocessing (the processor's settings,
+    """A key is a sha256 over the image bytes' sha256 and this namespace, so equal keys mean equal embeddings.
+
+    The part of every key that pins the model: its weights, preprocessing (the processor's settings,
     and the profile's loader and backend: two profiles never share an embedding), served dtype, and the
     backend running it with its release (transformers 5.24 and vLLM 0.32 may differ in the last bits)."""
     fields = (
@@ -95,13 +92,18 @@ class EmbeddingCache:
         """Whether the LRU keeps `key`'s payload now (a lookup that is not counted nor refreshes it)."""
         return key in self._entries
 
+    def hit(self, key: bytes) -> ItemPayload | None:
+        """The payload held for `key`, counted as a hit, or None (not counted: a computation follows)."""
+        payload = self.get(key)
+        if payload is not None:
+            self.hits += 1
+        return payload
+
     def lookup(self, key: bytes) -> ItemPayload | None:
         """The payload of an item named by reference (its image's sha256), counted as a hit, or None."""
-        payload = self.get(key)
+        payload = self.hit(key)
         if payload is None:
             self.not_held += 1
-        else:
-            self.hits += 1
         return payload
 
     def put(self, key: bytes, payload: ItemPayload) -> None:
@@ -125,9 +127,8 @@ class EmbeddingCache:
 
         Errors of a computation reach every caller waiting for it and are not cached.
         """
-        payload = self.get(key)
+        payload = self.hit(key)
         if payload is not None:
-            self.hits += 1
             return payload, True
         flight = self._flights.get(key)
         joined = flight is not None

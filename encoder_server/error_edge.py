@@ -1,8 +1,6 @@
-"""Where a servicer's call meets gRPC statuses: the raw request is parsed, the call made, and a domain
-error answered with its status from the one table (encoder_common.errors); anything else is logged and
-answered with a bare INTERNAL. Both services on the port (EncoderService, SGLang's SglangEncoder) wrap
-their calls in it. Every answer carries the encoder's load in its trailing metadata
-(encoder_common.load_report), which the receivers place items by."""
+"""Where a servicer's call (of either service on the port) meets gRPC statuses: the raw request parsed,
+the call made, a domain error answered with its status (encoder_common.errors), anything else a bare
+INTERNAL; every answer carries the encoder's load in its trailing metadata (encoder_common.load_report)."""
 
 from __future__ import annotations
 

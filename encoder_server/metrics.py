@@ -1,8 +1,5 @@
-"""Prometheus metrics of one encoder server, served over HTTP on `--metrics-port`, and the per-call
-accounting (`RequestRecord`) that the servicer's item events feed and that writes each Encode
-call's one log line. What calls send is tallied in plain numbers (`CallTally`), with no lock and no
-label lookup on a call's path, and turned into metric families only when scraped
-(docs/performance-dataplane.md#per-call-accounting-as-plain-numbers)."""
+"""Prometheus metrics of one encoder server (on `--metrics-port`), and each call's accounting
+(`RequestRecord`): its item events, tallied in plain numbers until scraped, and its one log line."""
 
 from __future__ import annotations
 

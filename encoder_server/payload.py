@@ -1,16 +1,11 @@
-"""An item's response as the server sends it: its ItemHeader and its payload framed into chunk
-messages once, kept so that every caller (and every cache hit) sends the same bytes objects.
-
-A connection not known to read (see streams.py) gets the item's first chunk cut smaller
-(FIRST_CHUNKS_BYTES): a receiver that never reads stalls on the second piece, so its stalled stream
-leaves a 64 KiB message inside gRPC instead of a whole 1 MiB chunk. Connections that read get the
-kept 1 MiB chunks from the first: the fewer messages, the faster the stream.
-"""
+"""An item's response as the server sends it (`ItemPayload`: its header and its chunk messages, framed
+once and shared by every caller and cache hit), and what one item of a call is (`ItemOut`)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 
@@ -20,10 +15,11 @@ from protos import wire
 from .batcher import TimedEmbedding
 from .models import PreparedImage
 
-# An item's first chunks, before 1 MiB ones. The header and the first fit the 64 KiB HTTP/2 window a
-# gRPC client starts with; the second does not, so a receiver that never reads stalls on it. (A client
-# that has read the header may open its window for a message it has partly received: a first chunk
-# of 64 KiB was let through that way, and now and then the second one is too, leaving a 1 MiB chunk.)
+# An item's first chunks, before 1 MiB ones, for a connection not known to read (streams.py): the header
+# and the first fit the 64 KiB HTTP/2 window a gRPC client starts with, the second does not, so a stalled
+# stream leaves a 64 KiB message inside gRPC instead of a 1 MiB chunk. (A client that has read the header
+# may open its window for a message it has partly received: now and then the second gets through too.)
+# Connections that read get 1 MiB chunks from the first: the fewer messages, the faster the stream.
 FIRST_CHUNKS_BYTES = (32 << 10, 64 << 10)
 
 
@@ -107,3 +103,15 @@ class ItemPayload:
             header.cache_hit = True
             header.ClearField("timing")
         return pb.EncodeResponse(header=header)
+
+
+@dataclass(frozen=True, slots=True)
+class ItemOut:
+    """What one item of a call is, once its payload is there (or known not to be)."""
+
+    index: int  # the item's index in the call
+    payload: ItemPayload | None  # None: the item named an image by reference, and it is not held
+    _: KW_ONLY
+    cache_hit: bool = False  # the cache (or another call's computation) had it
+    key: bytes | None = None  # its content key; None when nothing wants one
+    content_sha256: bytes | None = None  # its image's sha256 while the cache keeps it, for the header

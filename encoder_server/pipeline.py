@@ -1,5 +1,6 @@
-"""An Encode call's items from their bytes to framed payloads: admission, reading, the embedding
-cache, preprocessing on a thread pool and the batcher's forwards."""
+"""The compute path of a call's items: admission, reading, the embedding cache, preprocessing on a thread
+pool and the batcher's forwards. Each item's flow yields what the item is; the sender (sender.py) decides
+what the stream budget is charged for it, and lets its forward through."""
 
 from __future__ import annotations
 
@@ -18,10 +19,8 @@ from .batcher import Batcher
 from .cache import EmbeddingCache, cache_namespace, content_key
 from .config import ServerConfig
 from .models import PreparedImage, VisionEncoder
-from .payload import ItemPayload
+from .payload import ItemOut, ItemPayload
 from .profiles import PROFILES, PreprocessProfile
-from .sender import ItemOut
-from .streams import StreamCharge
 
 # Items up to this size are read and hashed on the event loop (sha256 runs at 0.4-1.6 GB/s here: at
 # most ~2 ms for 1 MiB, ~0.45 ms for a typical 465 KB JPEG, ~20 us when the digest memo knows the
@@ -30,8 +29,53 @@ from .streams import StreamCharge
 INLINE_READ_BYTES = 1 << 20
 
 
+class PendingForward:
+    """An item preprocessed for this call, whose forward waits to be let through: what it will hold (its
+    pixel values until the forward is over, then its payload) and the sender's answer, `let_through()`
+    or `refuse(exc)` (the computation then fails with `exc`, for every call waiting for it)."""
+
+    __slots__ = ("_asked", "_go", "index", "input_bytes", "output_bytes")
+
+    def __init__(self, index: int):
+        loop = asyncio.get_running_loop()
+        self.index = index
+        self.input_bytes = 0  # the preprocessed pixel values
+        self.output_bytes = 0  # the output tensors, as the payload's bytes
+        # True once the computation waits for the answer; False when the payload came without it asking.
+        self._asked = loop.create_future()
+        self._go = loop.create_future()
+
+    def let_through(self) -> None:
+        if not self._go.done():
+            self._go.set_result(None)
+
+    def refuse(self, exc: BaseException) -> None:
+        if not self._go.done():
+            self._go.set_exception(exc)
+
+    async def ask(self, input_bytes: int, output_bytes: int) -> None:
+        """The computation's side: says what the forward will hold, then waits for the answer."""
+        self.input_bytes, self.output_bytes = input_bytes, output_bytes
+        if not self._asked.done():
+            self._asked.set_result(True)
+        await self._go
+
+    def _came(self, computing: asyncio.Future) -> None:
+        if not self._asked.done():  # another call's computation, or a failure before the forward
+            self._asked.set_result(False)
+
+
+# One item's flow: a PendingForward first when this call computes the item's payload, then its ItemOut.
+ItemFlow = AsyncIterator[PendingForward | ItemOut]
+
+
+async def ready(out: ItemOut) -> ItemFlow:
+    """The flow of an item whose payload is already there (a lease's)."""
+    yield out
+
+
 class ItemPipeline:
-    """Turns items into payloads; used from the server's event loop."""
+    """Gives each item of a call its flow; used from the server's event loop."""
 
     def __init__(
         self,
@@ -56,56 +100,30 @@ class ItemPipeline:
         self.namespace = cache_namespace(encoder.spec, self.profile) if keys or cache is not None else None
         self.digests = DigestMemo()
         self._preprocessing = 0  # items of admitted calls not yet in the batcher's queue (nor done)
-        # Held from an item's preprocessing until it is charged (it may wait for room in between).
+        # Held from an item's preprocessing until its forward is let through (it may wait for room).
         self._prepare_slots = asyncio.Semaphore(config.preprocess_workers)
 
-    async def payloads(
-        self,
-        items: Sequence[pb.ImageItem],
-        charge: StreamCharge,
-        images: Sequence[memoryview | None] | None = None,
-    ) -> AsyncIterator[ItemOut]:
-        """Each item's ItemOut (its payload, whether that came from the cache, its content key), in the
-        items' order (an item named by reference whose embedding the cache lacks has no payload); each
-        payload charged to the call's stream budget (the caller releases it once sent).
-        `images`: per item, its image bytes where the request was parsed without them (EncodeCall).
+    def admit(self, items: Sequence[pb.ImageItem], images: Sequence[memoryview | None] | None = None) -> Admitted:
+        """Admits a call's items: `with pipeline.admit(items) as flows:` gives each one's flow, not started
+        (ItemSender runs them). `images`: per item, its image bytes where the request was parsed without
+        them (EncodeCall).
 
         Raises OverloadedError at once, before any decoding, when the items would not fit beside
         those queued and those still being read or preprocessed: under overload refusals stay fast.
-        Close it (`contextlib.aclosing`) so that the items of a call that went away leave the queue.
         """
-        if not items:
-            return
         self.check_room(len(items))
-        self._preprocessing += len(items)
+        admissions = [_Admission(self) for _ in items]
         images = images or [None] * len(items)
-        if len(items) == 1:  # a lone item needs no task of its own: one turn of the event loop less
-            yield await self._item_out(items[0], charge, images[0])
-            return
-        # Each item goes its own way (cache hit, another call's computation, or the batcher) as soon
-        # as its bytes are read, in tasks started in the items' order; they are still yielded in order.
-        tasks = [
-            asyncio.ensure_future(self._item_out(item, charge, image)) for item, image in zip(items, images)
-        ]
-        for task in tasks:
-            task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
-        try:
-            for task in tasks:
-                yield await task
-        finally:
-            for task in tasks:
-                task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
+        return Admitted([self._flow(*each) for each in zip(items, images, admissions)], admissions)
 
     def check_room(self, num_items: int) -> None:
         """Raises OverloadedError when `num_items` more would not fit beside the items queued and
         those still being read or preprocessed."""
         self.batcher.check_room(num_items + self._preprocessing)
 
-    async def _item_out(self, item: pb.ImageItem, charge: StreamCharge, image: memoryview | None) -> ItemOut:
-        """An item's payload, charged to the stream budget (a computed one from before its forward).
-        Errors name the item."""
-        loop = asyncio.get_running_loop()
-        admitted = _Admission(self)
+    async def _flow(self, item: pb.ImageItem, image: memoryview | None, admission: _Admission) -> ItemFlow:
+        """One item's flow: its bytes read and hashed, then the cache's payload, or this call's computation
+        (or another call's, when one is under way for the same image). Errors name the item."""
         try:
             source = item.WhichOneof("source")
             if source == "data":
@@ -113,29 +131,41 @@ class ItemPipeline:
             elif source == "url":
                 data = await self.sources.read(item.url)
             elif item.content_sha256:
-                return await self._referenced(item, charge)
+                yield self._referenced(item)
+                return
             else:
                 raise InvalidItemError("item has no data, url or content_sha256")
             if len(data) <= INLINE_READ_BYTES:
                 digest = self._digest(item, data)
             else:
+                loop = asyncio.get_running_loop()
                 digest = await loop.run_in_executor(self.preprocess_pool, self._digest, item, data)
             key = None if self.namespace is None else content_key(self.namespace, digest)
-            compute = functools.partial(self._compute, data, admitted, charge, item.index)
-            if self.cache is None:
-                return ItemOut(item.index, await compute(), cache_hit=False, key=key)
-            payload, hit = await self.cache.get_or_compute(key, compute)
-            if hit:  # from the cache, or another call's computation: this stream holds it too
-                await charge.reserve(item.index, payload.nbytes)
+            payload = None if self.cache is None else self.cache.hit(key)
+            hit = payload is not None
+            if not hit:
+                forward = PendingForward(item.index)
+                computing = asyncio.ensure_future(self._computation(key, data, admission, forward))
+                computing.add_done_callback(forward._came)
+                try:
+                    if await forward._asked:
+                        yield forward
+                    payload, hit = await computing
+                finally:
+                    if not computing.done():
+                        # Its computation is cancelled, unless another call waits for it: that one then
+                        # has it go on, uncharged, since this call is gone.
+                        computing.cancel()
+                        computing.add_done_callback(lambda _: forward.let_through())
             # While the cache keeps it, the caller may name this image by its sha256 alone (revision 3).
-            held = digest if self.cache.holds(key) else None
-            return ItemOut(item.index, payload, cache_hit=hit, key=key, content_sha256=held)
+            held = digest if self.cache is not None and self.cache.holds(key) else None
+            yield ItemOut(item.index, payload, cache_hit=hit, key=key, content_sha256=held)
         except InvalidItemError as exc:
             raise InvalidItemError(f"item {item.index}: {exc}") from None
         finally:
-            admitted.done()
+            admission.done()
 
-    async def _referenced(self, item: pb.ImageItem, charge: StreamCharge) -> ItemOut:
+    def _referenced(self, item: pb.ImageItem) -> ItemOut:
         """An item named by its image's sha256 alone: the cache's payload, or an ItemOut without one
         (not held) when the cache has none (or there is no cache)."""
         digest = item.content_sha256
@@ -147,7 +177,6 @@ class ItemPipeline:
         payload = self.cache.lookup(key)
         if payload is None:
             return ItemOut(item.index, None)
-        await charge.reserve(item.index, payload.nbytes)
         return ItemOut(item.index, payload, cache_hit=True, key=key, content_sha256=digest)
 
     def _digest(self, item: pb.ImageItem, data: bytes) -> bytes | None:
@@ -160,26 +189,30 @@ class ItemPipeline:
             raise InvalidItemError("content_sha256 does not match the item's bytes")
         return digest
 
-    async def _compute(self, data: bytes, admitted: _Admission, charge: StreamCharge, index: int) -> ItemPayload:
-        """Decode, preprocess, forward (batched with other calls' items) and frame one item.
+    async def _computation(
+        self, key: bytes | None, data: bytes, admission: _Admission, forward: PendingForward
+    ) -> tuple[ItemPayload, bool]:
+        """The item's payload and whether it was a hit: through the cache, which runs one computation
+        per key however many calls want it, or computed for this call alone."""
+        compute = functools.partial(self._compute, data, admission, forward)
+        if self.cache is None:
+            return await compute(), False
+        return await self.cache.get_or_compute(key, compute)
 
-        The payload is charged to the stream budget before the forward makes it (twice: the output
-        tensors live until their last chunk is framed), and so are the preprocessed pixel values until
-        the forward is done (for a large image they outweigh its embedding several times): a call
-        refused for want of room costs no forward and holds no output, and what waits for the
-        batcher stays within the budget. An item waiting for room keeps its preprocessing slot, so at
-        most `preprocess_workers` prepared items are held outside the budget.
-        """
+    async def _compute(self, data: bytes, admission: _Admission, forward: PendingForward) -> ItemPayload:
+        """Decode and preprocess one item, wait for `forward` to be let through, then forward it
+        (batched with other calls' items) and frame its payload. An item waiting to be let through
+        keeps its preprocessing slot, so at most `preprocess_workers` prepared items wait outside the
+        stream budget."""
         loop = asyncio.get_running_loop()
         async with self._prepare_slots:
             started = time.perf_counter()
             try:
                 prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
                 preprocess_ms = (time.perf_counter() - started) * 1000
-                spec = self.encoder.spec
-                payload_bytes = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size * spec.dtype.itemsize
-                input_bytes = prepared.pixel_values.numel() * prepared.pixel_values.element_size()
-                await charge.reserve(index, 2 * payload_bytes + input_bytes)  # the output, its chunks, the input
+                pixels, spec = prepared.pixel_values, self.encoder.spec
+                output = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size
+                await forward.ask(pixels.numel() * pixels.element_size(), output * spec.dtype.itemsize)
             except (OverloadedError, asyncio.CancelledError) as exc:
                 # The exception's traceback keeps this frame until the cyclic collector runs: without the
                 # pixel values, which would otherwise stay resident, uncharged, for every call refused meanwhile.
@@ -188,11 +221,9 @@ class ItemPipeline:
                     self.batcher.item_cancelled_before_queue()
                 raise
         (future,) = self.batcher.submit([prepared])
-        admitted.done()  # it counts in the batcher's queue now
+        admission.done()  # it counts in the batcher's queue now
         encoded = await future
-        payload = ItemPayload.build(prepared, encoded, preprocess_ms)
-        charge.release(index, input_bytes)
-        return payload
+        return ItemPayload.build(prepared, encoded, preprocess_ms)
 
     def _prepare(self, data: bytes) -> PreparedImage:
         """Bytes to pixel values as the profile's engine makes them, on a preprocessing thread."""
@@ -204,6 +235,25 @@ class ItemPipeline:
             raise InvalidItemError(f"the image processor refused it: {exc}") from None
 
 
+class Admitted:
+    """A call's admitted items: their flows, and their places in the pipeline's count, given back on exit
+    for those whose flow never ran or was cut short."""
+
+    __slots__ = ("_admissions", "flows")
+
+    def __init__(self, flows: list[ItemFlow], admissions: list[_Admission]):
+        self.flows = flows
+        self._admissions = admissions
+
+    def __enter__(self) -> list[ItemFlow]:
+        return self.flows
+
+    def __exit__(self, *exc_info: object) -> None:
+        for admission in self._admissions:
+            if admission.pending:
+                admission.done()
+
+
 class _Admission:
     """One admitted item's place in the pipeline's count of items not yet queued; given back once."""
 
@@ -212,13 +262,9 @@ class _Admission:
     def __init__(self, pipeline: ItemPipeline):
         self.pipeline = pipeline
         self.pending = True
+        pipeline._preprocessing += 1
 
     def done(self) -> None:
         if self.pending:
             self.pending = False
             self.pipeline._preprocessing -= 1
-
-
-def _retrieve_exception(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()

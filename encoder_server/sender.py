@@ -1,7 +1,6 @@
-"""One call's items on their way to its receiver, for Encode, Fetch and SGLang's Encode: each item's
-header (with its lease), its payload placed by the call's transport (transports/) or else written as
-chunks on the stream, the stream budget's charge and watchdog clock, and the metrics event of each item
-sent."""
+"""One call's items on their way to its receiver, for Encode, Fetch and SGLang's Encode: what the
+stream budget is charged for each (ItemSender), each item's header (with its lease), its payload placed
+by the call's transport (transports/) or else written as chunks (PendingWrite), and its metrics event."""
 
 from __future__ import annotations
 
@@ -15,32 +14,31 @@ from typing import Any
 
 import grpc
 
+from encoder_common.errors import OverloadedError
 from protos import encoder_pb2 as pb
 
 from .leases import LeaseStore
 from .metrics import RequestRecord
-from .payload import ItemPayload
+from .payload import ItemOut
+from .pipeline import ItemFlow
 from .streams import StreamCharge, StreamCut
 from .transports import CallTransport
 from .transports.stream import STREAM
 
 
-@dataclass(frozen=True, slots=True)
-class ItemOut:
-    """What a payload source yields for one item of a call."""
-
-    index: int  # the item's index in the call
-    payload: ItemPayload | None  # None: the item named an image by reference, and it is not held
-    _: KW_ONLY
-    cache_hit: bool = False  # the cache (or another call's computation) had it
-    key: bytes | None = None  # its content key; None when nothing wants one
-    content_sha256: bytes | None = None  # its image's sha256 while the cache keeps it, for the header
-
-
 @dataclass(eq=False)
 class ItemSender:
-    """Sends one call's items. `transport`: where the call's payloads are placed when not as chunks (gRPC
-    streams only); `lease`: the Encode request's lease ask, granted per item from `leases`."""
+    """Runs one call's item flows (pipeline.py) and sends their items. `transport`: where the call's
+    payloads are placed when not as chunks (gRPC streams only); `lease`: the Encode request's lease ask,
+    granted per item from `leases`.
+
+    What the stream budget (streams.py) is charged for an item, besides its call's own share: a payload
+    computed for this call from before its forward, twice its size (the output tensors live until their
+    last chunk is framed) and its pixel values until the forward is over, so that a call refused for want
+    of room costs no forward and what waits for the batcher stays within the budget; a payload that was
+    already there (the cache's, another call's computation, a lease) once, from when its turn to be sent
+    comes. Each item gives back all it holds once sent.
+    """
 
     context: grpc.aio.ServicerContext
     charge: StreamCharge
@@ -52,17 +50,60 @@ class ItemSender:
     _messages: Iterator[bytes] | None = field(default=None, init=False)  # left to write
     _writing: bytes | None = field(default=None, init=False)  # the message gRPC has now
 
-    async def send_all(self, payloads: AsyncIterator[ItemOut]) -> None:
-        """Sends every item `payloads` yields, in its order; what the transport placed is handed over
-        once the stream completed, and taken back otherwise."""
+    async def send_all(self, flows: Sequence[ItemFlow]) -> None:
+        """Sends every item, in the flows' order; what the transport placed is handed over once the
+        stream completed, and taken back otherwise."""
         transport = self.transport
         try:
-            async with contextlib.aclosing(payloads) as items:
+            async with contextlib.aclosing(self.items(flows)) as items:
                 async for item in items:
                     await self._send(transport, item)
             transport.hand_over()
         finally:
             transport.close()
+
+    async def items(self, flows: Sequence[ItemFlow]) -> AsyncIterator[ItemOut]:
+        """Each item's ItemOut, in the flows' order, charged. The flows run at once, each going its own
+        way (cache hit, another call's computation, or the batcher) as soon as its bytes are read. Close
+        it (`contextlib.aclosing`) so that the items of a call that went away leave the batcher's queue."""
+        charge = self.charge
+        if len(flows) == 1:  # a lone item needs no task of its own: one turn of the event loop less
+            item, computed = await self._run(flows[0])
+            if item.payload is not None and not computed:  # its turn to be sent has come
+                await charge.reserve(item.index, item.payload.nbytes)
+            yield item
+            return
+        tasks = [asyncio.ensure_future(self._run(flow)) for flow in flows]
+        for task in tasks:
+            task.add_done_callback(_retrieve_exception)  # items left behind when an earlier one failed
+        try:
+            for task in tasks:
+                item, computed = await task
+                if item.payload is not None and not computed:
+                    await charge.reserve(item.index, item.payload.nbytes)
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()  # no-op for finished ones; a cancelled call's items leave the queue
+
+    async def _run(self, flow: ItemFlow) -> tuple[ItemOut, bool]:
+        """Runs one item's flow to its ItemOut, charging a computation of this call's before letting its
+        forward through; True when it did."""
+        try:
+            step = await anext(flow)
+            if isinstance(step, ItemOut):
+                return step, False
+            try:
+                await self.charge.reserve(step.index, 2 * step.output_bytes + step.input_bytes)
+            except OverloadedError as exc:
+                step.refuse(exc)  # no forward for it
+                raise
+            step.let_through()
+            item = await anext(flow)
+            self.charge.release(item.index, step.input_bytes)  # the forward is over
+            return item, True
+        finally:
+            await flow.aclose()
 
     async def _send(self, transport: CallTransport, item: ItemOut) -> None:
         index, payload = item.index, item.payload
@@ -206,8 +247,6 @@ class PendingWrite:
             self._finished.set_result(None)
 
 
-async def leased_payloads(payloads: Sequence[ItemPayload], charge: StreamCharge) -> AsyncIterator[ItemOut]:
-    """Leased items for a Fetch, in order, each charged to the stream budget while it is sent."""
-    for index, payload in enumerate(payloads):
-        await charge.reserve(index, payload.nbytes)
-        yield ItemOut(index, payload)
+def _retrieve_exception(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()

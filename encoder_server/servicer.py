@@ -1,6 +1,6 @@
-"""The EncoderService servicer: parses a request (request_parsing.py), makes one call into the item pipeline or
-the lease store, and hands the payloads to an ItemSender (sender.py), which streams them out; errors
-become statuses at the error edge (error_edge.py)."""
+"""The EncoderService servicer: parses a request (request_parsing.py), takes its items' flows from the item
+pipeline or its payloads from the lease store, and hands them to an ItemSender (sender.py), which charges
+and sends them; errors become statuses at the error edge (error_edge.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from .error_edge import error_edge
 from .leases import LeaseStore
 from .metrics import ServerMetrics
 from .models import ModelSpec
-from .pipeline import ItemPipeline
+from .payload import ItemOut
+from .pipeline import ItemPipeline, ready
 from .request_parsing import EncodeCall, check_encode_request, parse_encode_request, parse_fetch_request
-from .sender import ItemSender, leased_payloads
+from .sender import ItemSender
 from .streams import StreamBudget
 from .transports import ServerTransports
 
@@ -90,18 +91,19 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             async with self.streams.call(context.peer()) as charge:
                 transport = self.transports.open_call(request)
                 sender = ItemSender(context, charge, record, transport, leases=self.leases, lease=lease)
-                await sender.send_all(self.pipeline.payloads(request.items, charge, call.images))
+                with self.pipeline.admit(request.items, call.images) as flows:
+                    await sender.send_all(flows)
 
     @error_edge
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> None:
         """Streams leased items in Encode's format; every key is looked up before the first message."""
         if self.leases is None:
             raise NotFoundError("this server grants no leases (--lease-max-bytes is 0): nothing to fetch")
-        payloads = [self.leases.get(key) for key in request.keys]
-        with self.metrics.record("fetch", len(payloads), context) as record:
+        leased = [self.leases.get(key) for key in request.keys]
+        with self.metrics.record("fetch", len(leased), context) as record:
             async with self.streams.call(context.peer()) as charge:
                 sender = ItemSender(context, charge, record, self.transports.open_call(request))
-                await sender.send_all(leased_payloads(payloads, charge))
+                await sender.send_all([ready(ItemOut(index, payload)) for index, payload in enumerate(leased)])
         for key in request.keys:
             self.leases.fetched(key)
 

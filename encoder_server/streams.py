@@ -1,45 +1,6 @@
-"""The server's bound on the bytes held for calls in progress, and the watchdog that cuts a stream whose
-receiver stopped reading.
-
-Every call holds, from admission until its RPC is really over, `CALL_BYTES`: its own state in gRPC
-and Python, and room for the one message it has handed to gRPC (gRPC keeps its own copy of a message
-until the receiver's flow-control window takes it). Each item's payload (its tensors, or its framed
-chunks) is charged too, from the moment it is ready (a computed one once preprocessing knows its
-size, before the forward makes it) until its last byte is handed to gRPC or to a shared-memory
-segment. A call that would take the total past `max_bytes` is refused with RESOURCE_EXHAUSTED (the
-receiver takes that as "busy" and goes elsewhere or backs off), so the bytes held never pass the
-budget (or one item's size, for an item larger than the whole budget). The embedding cache's own
-budget is separate: a cached payload is charged again only while streamed.
-
-Streams whose receiver stops reading are cut two ways: any stream after `stall_timeout_s`, and,
-when a call needs room, every stream whose receiver has not taken a message for `EVICT_AFTER_S`,
-so that callers who read keep being served while those who do not hold the budget. gRPC Python
-cannot reset a stream from the server: the message a cut stream was sending stays inside gRPC until
-its receiver reads it or goes (cancels, reaches its deadline, disconnects). A cut call therefore
-gives back its payloads at once but stays charged for that message and its state until it is really
-over; however many receivers stall, what they leave inside gRPC is within the budget.
-
-Two shares keep never-reading clients from locking anyone else out, however many streams they open
-and on however many connections:
-- one connection (one gRPC peer) holds at most half the budget unless it reads, and three quarters
-  if it does: a connection reads once the last call that finished on it sent everything and no
-  stream of it has been cut since. A client that stalls a thousand streams on one connection gets
-  half at most, cut streams included, and one that read a call first, three quarters;
-- the last quarter of the budget is kept for connections that read, against the calls in progress
-  (a cut stream's leftover inside gRPC is not in progress, and counts only against the whole budget).
-  Calls from fresh connections, and from those whose streams were cut, share the other three quarters.
-A fresh connection that reads is therefore refused only while live calls of never-readers fill three
-quarters, which lasts until they have read nothing for EVICT_AFTER_S, or while cut streams' leftovers
-fill the whole budget (at 128 KiB each, about two thousand never-reading connections).
-
-A call or item of a connection that reads waits for room rather than being refused: the calls in
-progress give their payloads back as their receivers take them, so a prefill node with more large
-items in flight than one encoder's budget holds gets backpressure, not RESOURCE_EXHAUSTED. It waits
-up to WAIT_FOR_ROOM_S, and only while its connection is known to read and fewer calls and items wait
-than the budget holds calls (what waits is outside the budget: a call's state in gRPC, and at most
-`preprocess_workers` prepared items); otherwise it is refused at once, as a connection not known to
-read always is.
-"""
+"""The stream budget: the bytes held for calls in progress (each call's share inside gRPC, its items'
+payloads) within `--stream-buffer-bytes`, the shares that keep never-reading clients from locking others
+out, and the watchdog that cuts a stream whose receiver stopped reading (docs/reliability-security.md)."""
 
 from __future__ import annotations
 
@@ -59,11 +20,14 @@ log = logging.getLogger(__name__)
 
 # A stream whose current message has waited this long is not being read: gRPC clients take messages
 # into their own buffers as fast as they arrive, so a reading receiver never makes the server wait
-# anywhere near this. Such streams give way when a new call needs their room.
+# anywhere near this. Such streams are cut when a new call needs their room (any stream is cut after
+# `stall_timeout_s`), so that callers who read keep being served while those who do not hold the budget.
 EVICT_AFTER_S = 1.0
 # A live call's own state in gRPC and Python (about 48 KB measured per call with a thousand open).
 CALL_STATE_BYTES = 64 << 10
-# The most a live call keeps inside gRPC at once: its state and a copy of the largest message it sends.
+# The most a live call keeps inside gRPC at once: its state and a copy of the largest message it sends
+# (gRPC keeps its own copy of a message until the receiver's flow-control window takes it). Every call
+# is charged this from admission until its RPC is really over.
 CALL_BYTES = CALL_STATE_BYTES + wire.CHUNK_BYTES + 16
 DEFAULT_STREAM_BUFFER_BYTES = 256 << 20
 # The part of the budget only connections that read may use for calls in progress: 1 / READER_SHARE of it.
@@ -154,8 +118,13 @@ class StreamBudget:
         return self._by_peer.get(peer, 0)
 
     def _fits(self, nbytes: int, peer: str) -> bool:
-        """Whether `nbytes` more for a call of `peer` stay within the budget and the shares (see the
-        module's docstring)."""
+        """Whether `nbytes` more for a call of `peer` stay within the budget and its shares: a connection
+        that reads (its last finished call sent everything, and none of its streams was cut since) holds
+        three quarters at most; one that does not, half at most, cut streams included, and the calls in
+        progress of all such connections share three quarters (a cut stream's leftover inside gRPC counts
+        only against the whole). So a fresh connection that reads is refused only while live calls of
+        never-readers fill three quarters (until they go unread for EVICT_AFTER_S), or while cut streams'
+        leftovers fill the whole budget (about two thousand never-reading connections)."""
         if not self.held:
             return True  # an item larger than the whole budget still passes when nothing else is held
         full = self.limits.max_bytes
@@ -180,8 +149,13 @@ class StreamBudget:
             self._by_peer.pop(peer, None)
 
     async def _reserve(self, nbytes: int, peer: str) -> None:
-        """Charges `nbytes` to `peer`, or refuses them (OverloadedError) once they cannot wait for room
-        (see the module's docstring)."""
+        """Charges `nbytes` to `peer`, cutting streams nobody reads for room, or refuses them
+        (OverloadedError: the receiver goes elsewhere or backs off), so the bytes held never pass the
+        budget (or one item's size, for an item larger than the whole). A connection that reads waits
+        for room instead, as the calls in progress give their payloads back, so that a prefill node with
+        more in flight than the budget gets backpressure: up to WAIT_FOR_ROOM_S, and only while fewer
+        wait than the budget holds calls (what waits is outside it: a call's state in gRPC, and at most
+        `preprocess_workers` prepared items)."""
         give_up = time.monotonic() + WAIT_FOR_ROOM_S
         waiting = False
         try:
@@ -320,7 +294,9 @@ class StreamCharge:
         self.budget._add(self.peer, -nbytes)
 
     def cut(self, why: str) -> None:
-        """Stops the call's handler: its payloads are given back, what it left inside gRPC stays charged."""
+        """Stops the call's handler: its payloads are given back, what it left inside gRPC stays charged.
+        gRPC Python cannot reset a stream from the server: the message a cut stream was sending stays
+        inside gRPC until its receiver reads it or goes (cancels, reaches its deadline, disconnects)."""
         self.cut_why = why
         self.sending_since = None
         if self.task is not None:

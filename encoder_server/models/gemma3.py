@@ -1,7 +1,4 @@
-"""Gemma 3: a SigLIP tower at one fixed size (896 px in the released checkpoints), its patches average-pooled
-to `mm_tokens_per_image` tokens (256) and projected. With pan-and-scan enabled in the processor, a long
-image also gives crops, each a block of the same size after the whole image: grid_thw is (1 + crops,
-patches per side, patches per side), and the spatial merge is the pooling's kernel."""
+"""Gemma 3's tower: SigLIP at one fixed size, patches average-pooled to `mm_tokens_per_image`, projected."""
 
 from __future__ import annotations
 
@@ -9,7 +6,12 @@ from .tower import Geometry, TiledTower
 
 
 class Gemma3(TiledTower):
-    """Serves `Gemma3Model.get_image_features`: per image, its blocks (whole image, then crops) in order."""
+    """Serves `Gemma3Model.get_image_features`: per image, its blocks (whole image, then crops) in order.
+
+    The image is taken at one fixed size (896 px in the released checkpoints); with pan-and-scan on in the
+    processor, a long image also gives crops, each a block of the same size: grid_thw is (1 + crops,
+    patches per side, patches per side), and the spatial merge is the pooling's kernel.
+    """
 
     model_class = "gemma3.modeling_gemma3.Gemma3Model"
     projector_class = "gemma3.modeling_gemma3.Gemma3MultiModalProjector"

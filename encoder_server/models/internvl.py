@@ -1,8 +1,5 @@
-"""InternVL 3 / 3.5 in the Hugging Face format (`InternVLForConditionalGeneration`): the processor cuts an
-image into 448 px tiles on the grid nearest its aspect ratio, plus a thumbnail of the whole image when
-there are several; each tile's patches (CLS dropped) are pixel-shuffled by `downsample_ratio` (0.5: 2x2
-patches per token, 256 tokens per tile) and projected. grid_thw is (tiles, patches per side, patches per
-side), and the spatial merge is the pixel shuffle's."""
+"""InternVL 3 / 3.5 in the Hugging Face format (`InternVLForConditionalGeneration`): 448 px tiles,
+each one's patches pixel-shuffled and projected."""
 
 from __future__ import annotations
 
@@ -16,7 +13,13 @@ def _side(value) -> int:
 
 
 class InternVL(TiledTower):
-    """Serves `InternVLModel.get_image_features`: per image, its tiles' blocks in the processor's order."""
+    """Serves `InternVLModel.get_image_features`: per image, its tiles' blocks in the processor's order.
+
+    The processor cuts an image into tiles on the grid nearest its aspect ratio, plus a thumbnail of the
+    whole image when there are several; each tile's patches (CLS dropped) are pixel-shuffled by
+    `downsample_ratio` (0.5: 2x2 patches per token, 256 tokens per tile). grid_thw is (tiles, patches per
+    side, patches per side), and the spatial merge is the pixel shuffle's.
+    """
 
     model_class = "internvl.modeling_internvl.InternVLModel"
     projector_class = "internvl.modeling_internvl.InternVLMultiModalProjector"

@@ -1,10 +1,4 @@
-"""LLaVA-1.5 style towers: a CLIP-like vision model, a feature layer, and the multi-modal projector.
-
-The embeddings are in the language model's space (after the projector), one fixed-size block of
-tokens per image, computed by `LlavaModel.get_image_features` itself. Each item's grid_thw is
-reported as (1, rows, columns) of the tower's patch grid; with the "full" feature-select strategy
-the item has one token more than rows * columns (the CLS token is kept).
-"""
+"""LLaVA-1.5 style towers: a CLIP-like vision model, a feature layer and the multi-modal projector."""
 
 from __future__ import annotations
 
@@ -23,7 +17,9 @@ def feature_settings(config: PretrainedConfig) -> dict[str, object]:
 
 
 class Llava(TiledTower):
-    """Serves `LlavaModel.get_image_features`: a fixed number of tokens per image."""
+    """Serves `LlavaModel.get_image_features`: a fixed number of tokens per image, in the language model's
+    space. grid_thw is (1, rows, columns) of the tower's patch grid; with the "full" feature-select
+    strategy the item has one token more than rows * columns (the CLS token is kept)."""
 
     model_class = "llava.modeling_llava.LlavaModel"
     projector_class = "llava.modeling_llava.LlavaMultiModalProjector"

@@ -1,12 +1,5 @@
 """LLaVA-NeXT (1.6) and LLaVA-OneVision: AnyRes tiles of the image plus the whole image, through a CLIP or
-SigLIP tower and the projector; the tiles' features are unpadded to the image's aspect ratio and each row
-of them ends with the learned `image_newline` (OneVision pools them down past `anyres_max_9`).
-
-An image's token count depends on its size, tile grid and the packing: the model's own
-`pack_image_features` counts it, run on one channel of zeros, before the forward. Each item's
-grid_thw is (tiles, rows, columns) of the tower's patch grid per tile; ModelInfo's spatial_merge_size
-is 0, since the token count is not the grid's.
-"""
+SigLIP tower and the projector, unpadded to the image's aspect ratio with `image_newline` after each row."""
 
 from __future__ import annotations
 
@@ -29,7 +22,14 @@ MODELS = {
 
 
 class LlavaNext(Tower):
-    """Serves `LlavaNextModel.get_image_features` / `LlavaOnevisionModel.get_image_features`, per image."""
+    """Serves `LlavaNextModel.get_image_features` / `LlavaOnevisionModel.get_image_features`, per image
+    (OneVision pools the tiles' features down past `anyres_max_9`).
+
+    An image's token count depends on its size, tile grid and the packing: the model's own
+    `pack_image_features` counts it, run on one channel of zeros, before the forward. grid_thw is (tiles,
+    rows, columns) of the tower's patch grid per tile; ModelInfo's spatial_merge_size is 0, since the
+    token count is not the grid's.
+    """
 
     prefixes = {
         **TOWER_AND_PROJECTOR,

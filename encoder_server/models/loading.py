@@ -1,9 +1,5 @@
-"""Reads only the vision (and projector) tensors of a checkpoint, single-file or sharded.
-
-Each tensor is read from the memory-mapped safetensors file, cast to the served dtype and kept;
-the language model's tensors are never materialized, so peak memory stays near the size of the
-vision weights.
-"""
+"""Reads only the vision (and projector) tensors of a checkpoint, single-file or sharded, each from the
+memory-mapped file: the language model's tensors are never materialized."""
 
 from __future__ import annotations
 

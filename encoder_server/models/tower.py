@@ -1,10 +1,5 @@
-"""The shared work of every family on the transformers backend: loading the vision weights, the image
-processor per profile, the pixel batch, splitting a batch's output per image, the ModelSpec.
-
-A family module subclasses `Tower` and says only what is its own: which checkpoint tensors are its tower
-and projector (`prefixes`, `build`), how the tower is called (`forward`), how many tokens an image gives
-and what the tower takes per image besides the pixels (`prepared`), and its geometry (`geometry`).
-"""
+"""`Tower`, the shared work of every family on the transformers backend (vision weights, the image processor
+per profile, the pixel batch, the output split per image, the ModelSpec), which a family module subclasses."""
 
 from __future__ import annotations
 
@@ -42,7 +37,12 @@ class Geometry:
 
 
 class Tower(VisionEncoder):
-    """A family's tower and projector loaded alone from a checkpoint, run as the full model runs them."""
+    """A family's tower and projector loaded alone from a checkpoint, run as the full model runs them.
+
+    A subclass says only what is its family's own: which checkpoint tensors are its tower and projector
+    (`prefixes`, `build`), how the tower is called (`forward`), how many tokens an image gives and what the
+    tower takes per image besides the pixels (`prepared`), and its geometry (`geometry`).
+    """
 
     # Checkpoint tensor prefixes -> the prefixes of `build()`'s module (longest match wins).
     prefixes: Mapping[str, str]

@@ -1,12 +1,5 @@
-"""The first ZMQ frame SGLang's receiver reads: a pickle that rebuilds SGLang's own `EmbeddingData`.
-
-Written opcode by opcode, without importing SGLang: the pickle names SGLang's classes by module
-and name (all on the allowlist of SGLang's `safe_pickle_loads`) and carries the object's state as
-a plain dict, exactly the attributes SGLang's encoder server sends for a part of a Qwen-VL request.
-Those module paths and attributes moved between SGLang releases: `LAYOUTS` says which release
-expects which, read in each release's wheel and checked against each release's own unpickler
-(`scripts/check_sglang_releases.py`).
-"""
+"""The first ZMQ frame SGLang's receiver reads: a pickle, written opcode by opcode without importing
+SGLang, that rebuilds SGLang's own `EmbeddingData`, in the layout of the receiving release (`LAYOUTS`)."""
 
 from __future__ import annotations
 
@@ -35,6 +28,10 @@ class EmbeddingDataLayout:
 _COMMON_HEAD = ("req_id", "num_parts", "part_idx", "grid_dim", "modality", "embedding", "send_time", "dtype")
 _COMMON_TAIL = ("error_msg", "error_code", "shape")
 
+# The pickle names SGLang's classes by module and name (all on the allowlist of SGLang's `safe_pickle_loads`)
+# and carries the object's state as a plain dict, exactly the attributes SGLang's encoder server sends for
+# a part of a Qwen-VL request. Those module paths and attributes moved between releases: each layout was
+# read in that release's wheel and is checked against its own unpickler (scripts/check_sglang_releases.py).
 # Releases with safe_pickle_loads (0.5.13 on; older receivers used plain pickle.loads), newest first.
 LAYOUTS = (
     EmbeddingDataLayout(

@@ -1,11 +1,4 @@
-"""SGLang's item strings to image bytes, under this server's source policy, and the image-only rule.
-
-SGLang's own encoder (`load_image` in sglang.srt.utils.common) takes an item string as an
-http(s):// URL, a file:// URL, a path (absolute, or any string ending in an image extension), a
-data: URI, or else raw base64. The same forms are accepted here, but URLs and paths go through the
-server's SourceReader (encoder_common.sources): http(s) only where enabled, files only under the allowed
-roots, and only absolute paths.
-"""
+"""SGLang's item strings to image bytes, under this server's source policy, and the image-only rule."""
 
 from __future__ import annotations
 
@@ -25,7 +18,13 @@ _SHOWN = 64
 
 async def read_item(item: str, sources: SourceReader) -> bytes:
     """The encoded bytes an SGLang item string names; InvalidItemError when it cannot be read,
-    UnsupportedModalityError when it is a video or audio file."""
+    UnsupportedModalityError when it is a video or audio file.
+
+    SGLang's own encoder (`load_image` in sglang.srt.utils.common) takes an http(s):// URL, a file:// URL,
+    a path (absolute, or any string ending in an image extension), a data: URI, or else raw base64. The
+    same forms are accepted, but URLs and paths go through the server's SourceReader: http(s) only where
+    enabled, files only under the allowed roots, and only absolute paths.
+    """
     lowered = item[:16].lower()
     if lowered.startswith("data:"):
         media_type = item[5:].split(",", 1)[0].split(";", 1)[0].strip().lower()

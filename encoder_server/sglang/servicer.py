@@ -1,12 +1,6 @@
-"""The `sglang.grpc.encoder.SglangEncoder` servicer: SGLang's Encode calls go through the native
-servicer's admission, embedding cache and batcher; each part's embedding, or its error, is pushed
-over ZMQ to the SGLang receiver as SGLang's own encoder pushes it.
-
-An SGLang part is one Encode call: its items' embeddings are joined row-wise into one tensor, sent
-as two frames [pickled EmbeddingData, raw tensor bytes]; a failed part sends one frame, an
-EmbeddingData carrying error_msg and error_code, so the receiver fails the request at once
-instead of waiting for its timeout. The RPC's status says the same.
-"""
+"""The `sglang.grpc.encoder.SglangEncoder` servicer: SGLang's Encode calls go through the native item
+pipeline (admission, cache, batcher), and each part's embedding, or its error, is pushed over ZMQ to the
+SGLang receiver as SGLang's own encoder pushes it."""
 
 from __future__ import annotations
 
@@ -27,7 +21,7 @@ from ..metrics import ServerMetrics
 from ..pipeline import ItemPipeline
 from ..request_parsing import check_receive_url_request, check_sglang_encode_request, parse_message
 from ..sender import ItemSender
-from ..streams import StreamBudget, StreamCharge
+from ..streams import StreamBudget
 from .config import SglangConfig
 from .embedding_data import PartMeta, embedding_data_pickle
 from .items import read_item
@@ -96,15 +90,17 @@ class SglangEncoderServicer:
     async def _encode_and_push(
         self, request: sglang_pb.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> sglang_pb.EncodeResponse:
-        """One part, accounted like a native Encode call: encoded, then pushed to its receiver(s). On
-        any failure, the call's cancellation included, the receiver is told (see _tell_failure)."""
+        """One part, accounted like a native Encode call: its items' embeddings joined row-wise into one
+        tensor, pushed to its receiver(s) as two frames [pickled EmbeddingData, raw tensor bytes]. On any
+        failure, the call's cancellation included, the receiver is told (see _tell_failure)."""
         with self.metrics.record(request.req_id, len(request.mm_items), context) as record:
             endpoints: list[str] = []
             try:
                 check_sglang_encode_request(request, self.server_config.max_items_per_request)
                 endpoints = [endpoint(request.prefill_host, port) for port in request.embedding_port]
                 async with self.streams.call(context.peer()) as charge:  # the part's bytes count until pushed
-                    part = await self._encode_part(request, charge)
+                    sender = ItemSender(context, charge, record)
+                    part = await self._encode_part(request, sender)
                     if not endpoints:  # zmq_to_scheduler: the receiving ranks register their URLs
                         remaining = context.time_remaining()
                         timeout = self.config.receive_url_timeout_s
@@ -115,7 +111,6 @@ class SglangEncoderServicer:
                     pushes = asyncio.gather(*(self.pusher.push(endpoint, [part.meta, part.tensor]) for endpoint in endpoints))
                     frames = [header.payload_bytes * len(endpoints) for header in part.headers]
                     frames[0] += len(part.meta) * len(endpoints)
-                    sender = ItemSender(context, charge, record)
                     await sender.push(part.headers, pushes, frames)
             except BaseException as exc:
                 await self._tell_failure(request, endpoints, exc)
@@ -126,7 +121,7 @@ class SglangEncoderServicer:
             embedding_size=len(part.tensor), embedding_len=part.tokens, embedding_dim=part.width
         )
 
-    async def _encode_part(self, request: sglang_pb.EncodeRequest, charge: StreamCharge) -> Part:
+    async def _encode_part(self, request: sglang_pb.EncodeRequest, sender: ItemSender) -> Part:
         """Reads, admits and encodes a part's items (through the cache and batcher), then joins them."""
         pipeline = self.pipeline
         pipeline.check_room(len(request.mm_items))  # before any decoding: refusals under overload stay fast
@@ -142,13 +137,15 @@ class SglangEncoderServicer:
             for read in reads:
                 read.cancel()  # the other items' reads, when one failed
         items = [pb.ImageItem(index=i, modality=pb.IMAGE, data=data) for i, data in enumerate(datas)]
-        async with contextlib.aclosing(pipeline.payloads(items, charge)) as payloads:
-            return join_part(request, [item.payload async for item in payloads], self.layout)
+        with pipeline.admit(items) as flows:
+            async with contextlib.aclosing(sender.items(flows)) as outs:
+                return join_part(request, [out.payload async for out in outs], self.layout)
 
     async def _tell_failure(self, request: sglang_pb.EncodeRequest, endpoints: Sequence[str], exc: BaseException) -> None:
-        """Pushes SGLang's error shape to the part's receiver(s), so the request fails there at once
-        instead of waiting for its timeout. Before the call's status goes out, unless the call was
-        cancelled (its deadline passed): then in the background."""
+        """Pushes SGLang's error shape to the part's receiver(s), one frame (an EmbeddingData carrying
+        error_msg and error_code), so the request fails there at once instead of waiting for its timeout.
+        Before the call's status goes out, unless the call was cancelled (its deadline passed): then in
+        the background."""
         if isinstance(exc, DeliveryError):
             return  # the receiver is what failed
         if not endpoints:  # zmq_to_scheduler: whichever ranks have registered

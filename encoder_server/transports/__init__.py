@@ -1,15 +1,6 @@
-"""How an item's payload travels to its receiver, server side: the seam between the sender (which
-writes each item's header, then its payload as chunks unless a transport placed it elsewhere) and the
-transports.
-
-The gRPC stream (`stream.py`) is always there. Every other transport is one entry of `TRANSPORTS`,
-under one name that is also the `ServerConfig` section that turns it on (None: off) and the field of
-`EncodeRequest` / `FetchRequest` where a receiver offers it. Its server side (`ServerTransport`) lives
-as long as the server; each call that offered it gets a `CallTransport`, which places each payload
-(filling the header's field for it) and, once the stream completed, hands the placed payloads over to
-the receiver, or takes them back when the call ended early. See docs/architecture.md, "Adding a
-transport".
-"""
+"""How an item's payload travels to its receiver, server side: the seam between the sender and the
+transports, and `TRANSPORTS`, the registry of those besides the gRPC stream (docs/architecture.md,
+"Adding a transport")."""
 
 from __future__ import annotations
 
@@ -60,7 +51,9 @@ class ServerTransport(Protocol):
         """Its Prometheus metrics."""
 
 
-# The transports besides the stream, by name; in the order a call's offers are considered.
+# The transports besides the stream, by name; in the order a call's offers are considered. A name is also
+# the `ServerConfig` section that turns its transport on (None: off) and the field of `EncodeRequest` /
+# `FetchRequest` where a receiver offers it.
 TRANSPORTS: dict[str, type[ServerTransport]] = {
     "shm": ShmSegments,
 }

@@ -400,3 +400,50 @@ async def test_every_release_wakes_a_waiting_reader_at_once_however_releases_and
     await asyncio.gather(*holders)
     assert max(admitted) - released < EVICT_AFTER_S / 4, max(admitted) - released
     assert budget.held == budget.waiting == budget.refused == 0 and budget.waited == 16
+
+
+async def test_a_forward_is_charged_before_it_runs_and_goes_on_uncharged_for_a_call_that_joined_it_once_its_own_went(
+    default_model_dir, monkeypatch
+):
+    """A computed item's forward waits for room (its connection reads) or is refused (it does not) with no
+    forward run; when the call it was computed for goes away while another call waits for the same image,
+    it runs for that one, and nothing stays charged for the call that went."""
+    monkeypatch.setattr("encoder_server.streams.EVICT_AFTER_S", 3600.0)  # no stream is cut for room
+    async with small_budget_server_at(default_model_dir, stall_timeout_s=3600.0) as server:
+        budget, double = server.streams, server.encoder
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) as reading,
+            grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=NEVER_READS) as fresh,
+        ):
+            encode, encode_fresh = (
+                channel.unary_stream(
+                    "/encoder.v1.EncoderService/Encode",
+                    request_serializer=pb.EncodeRequest.SerializeToString,
+                    response_deserializer=pb.EncodeResponse.FromString,
+                )
+                for channel in (reading, fresh)
+            )
+            assert len([m async for m in encode(encode_request("first", 9), timeout=60)]) > 1  # it reads
+            # Two unread calls of that connection hold 30 MiB: the last few MiB of its 35 MiB share are left.
+            holders = [encode(encode_request(f"hold-{width}", width), timeout=120) for width in (20, 21)]
+            for holder in holders:
+                assert (await holder.read()).HasField("header")
+            forwarded, preprocessed = double.items_forwarded, double.preprocessed
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await encode_fresh(encode_request("refused", 22), timeout=60).read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (double.items_forwarded, double.preprocessed) == (forwarded, preprocessed + 1)
+            own = encode(encode_request("own", 30), timeout=120)
+            assert await wait_until(lambda: budget.waiting == 1, timeout=30)  # its forward waits for room
+            hits = server.cache.hits
+            joined = encode(encode_request("joined", 30), timeout=120)
+            assert await wait_until(lambda: server.cache.hits == hits + 1, timeout=30)  # it waits for that forward
+            assert double.items_forwarded == forwarded
+            own.cancel()
+            assert await wait_until(lambda: double.items_forwarded == forwarded + 1, timeout=30)
+            for holder in holders:
+                holder.cancel()
+            messages = [m async for m in joined]
+            assert messages[0].header.cache_hit and sum(len(m.chunk) for m in messages[1:]) == ITEM_BYTES
+            assert double.preprocessed == preprocessed + 2
+        assert await wait_until(lambda: budget.held == 0 and budget.open_calls == 0, timeout=30), budget.held

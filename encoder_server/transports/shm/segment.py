@@ -16,7 +16,15 @@ from protos.shm import HEADER_BYTES, random_name
 
 
 class Segment:
-    """One pool file, mapped read-write for the server's whole life."""
+    """One pool file, mapped read-write for the server's whole life.
+
+    Named `<instance>.pool.<random>`, allocated once (fallocate: a full volume shows up as ENOSPC here,
+    never as SIGBUS later) and kept mapped: filling fresh tmpfs pages costs several times a copy into warm
+    ones. Each use is announced under a hard link `<instance>.seg.<random>`, a name used once; the
+    receiver's unlink drops the link count back to 1 (`released`), and the segment is used again. One
+    taken back while its name was still there may be under a receiver's tensor: it is never written again,
+    and its memory goes with the last mapping of it.
+    """
 
     def __init__(self, directory: Path, instance: str, capacity: int, owner: int):
         self.path = directory / random_name(instance, "pool")
