@@ -8,6 +8,7 @@ import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
+from dataclasses import replace
 
 from protos import encoder_pb2 as pb
 from encoder_common.digests import DigestMemo
@@ -199,7 +200,7 @@ class ItemPipeline:
         config = self.config
         image = self.profile.decode(data, max_pixels=config.max_image_pixels, max_aspect_ratio=config.max_aspect_ratio)
         try:
-            return self.encoder.preprocess(image, self.profile)
+            return replace(self.encoder.preprocess(image, self.profile), image_size=image.size)
         except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
             raise InvalidItemError(f"the image processor refused it: {exc}") from None
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .config import ReceiverConfig, config_from_mapping
 from .connector_fetches import ItemFile, SchedulerFetches
 from .item_files import DEFAULT_DIRECTORY
 from .vllm_contract import check_vllm_contract
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-DEFAULT_FETCH_TIMEOUT_S = 30.0
+# The receiver's settings where the extra config says nothing: a fetch's deadline, every encoder tried included.
+CONNECTOR_DEFAULTS = ReceiverConfig(timeout=30.0)
 
 
 @dataclass
@@ -66,9 +68,10 @@ class EncoderServiceConnectorMetadata(ECConnectorMetadata):
 class EncoderServiceConnector(ECConnectorBase):
     """Encoder-cache connector of an `ec_consumer`: embeddings come from the encoder pods' leases.
 
-    Extra config (`ec_connector_extra_config`): `encoders` (list of URLs, required), `fetch_timeout_s`
-    (30), `transfer` ("auto": shared memory from encoders on this host, else the gRPC stream), and
-    `directory` (/dev/shm) for the files handed to the worker.
+    Extra config (`ec_connector_extra_config`): `encoders` (list of URLs, required), `directory` (/dev/shm)
+    for the files handed to the worker, and the receiver's settings (`receiver.config.config_from_mapping`:
+    ReceiverConfig's fields, the TLS and token files; a fetch's deadline `timeout` 30 s), listed in
+    docs/vllm-connector.md.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
@@ -76,13 +79,13 @@ class EncoderServiceConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
             raise ValueError('EncoderServiceConnector runs on an "ec_consumer" instance only')
-        transfer_config = vllm_config.ec_transfer_config
-        self.directory = Path(transfer_config.get_from_extra_config("directory", str(DEFAULT_DIRECTORY)))
+        extra = dict(vllm_config.ec_transfer_config.ec_connector_extra_config)
+        urls = extra.pop("encoders", None)
+        self.directory = Path(extra.pop("directory", DEFAULT_DIRECTORY))
         model_config = vllm_config.model_config
         self.model_dtype = model_config.dtype
         self._scheduler: SchedulerFetches | None = None
         if role == ECConnectorRole.SCHEDULER:
-            urls = transfer_config.get_from_extra_config("encoders", None)
             if not urls or isinstance(urls, str):
                 raise ValueError(
                     "EncoderServiceConnector needs ec_connector_extra_config "
@@ -91,10 +94,7 @@ class EncoderServiceConnector(ECConnectorBase):
             self._scheduler = SchedulerFetches(
                 self.directory,
                 list(urls),
-                timeout=float(
-                    transfer_config.get_from_extra_config("fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)
-                ),
-                transfer=str(transfer_config.get_from_extra_config("transfer", "auto")),
+                config_from_mapping(extra, CONNECTOR_DEFAULTS),
                 resolver=PlaceholderMetadataResolver(model_config),
                 hidden_size=model_config.get_hidden_size(),
                 deepstack_levels=_deepstack_levels(model_config),
