@@ -24,6 +24,7 @@ asked to load an embedding that is not there, which would kill the engine.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,28 @@ if TYPE_CHECKING:
 CONNECTOR_DEFAULTS = ReceiverConfig(timeout=30.0)
 
 
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What `ec_connector_extra_config` configures: the encoders, the directory the worker maps received
+    embeddings from, and the receiver's settings (`receiver.config.config_from_mapping`: ReceiverConfig's
+    fields and the TLS and token files; CONNECTOR_DEFAULTS for the others)."""
+
+    encoders: tuple[str, ...]
+    directory: Path
+    receiver: ReceiverConfig
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        settings = dict(extra)
+        urls = settings.pop("encoders", None)
+        if not urls or isinstance(urls, str):
+            raise ValueError(
+                'EncoderServiceConnector needs ec_connector_extra_config {"encoders": ["grpc://host:port", ...]}'
+            )
+        directory = Path(settings.pop("directory", DEFAULT_DIRECTORY))
+        return cls(tuple(urls), directory, config_from_mapping(settings, CONNECTOR_DEFAULTS))
+
+
 @dataclass
 class EncoderServiceConnectorMetadata(ECConnectorMetadata):
     """Scheduler to worker, each step: the items to put into the encoder cache."""
@@ -69,9 +92,7 @@ class EncoderServiceConnector(ECConnectorBase):
     """Encoder-cache connector of an `ec_consumer`: embeddings come from the encoder pods' leases.
 
     Extra config (`ec_connector_extra_config`): `encoders` (list of URLs, required), `directory` (/dev/shm)
-    for the files handed to the worker, and the receiver's settings (`receiver.config.config_from_mapping`:
-    ReceiverConfig's fields, the TLS and token files; a fetch's deadline `timeout` 30 s), listed in
-    docs/vllm-connector.md.
+    and the receiver's settings (ConnectorSettings), listed in docs/vllm-connector.md.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
@@ -79,22 +100,16 @@ class EncoderServiceConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
             raise ValueError('EncoderServiceConnector runs on an "ec_consumer" instance only')
-        extra = dict(vllm_config.ec_transfer_config.ec_connector_extra_config)
-        urls = extra.pop("encoders", None)
-        self.directory = Path(extra.pop("directory", DEFAULT_DIRECTORY))
+        settings = ConnectorSettings.from_extra_config(vllm_config.ec_transfer_config.ec_connector_extra_config)
+        self.directory = settings.directory
         model_config = vllm_config.model_config
         self.model_dtype = model_config.dtype
         self._scheduler: SchedulerFetches | None = None
         if role == ECConnectorRole.SCHEDULER:
-            if not urls or isinstance(urls, str):
-                raise ValueError(
-                    "EncoderServiceConnector needs ec_connector_extra_config "
-                    '{"encoders": ["grpc://host:port", ...]}'
-                )
             self._scheduler = SchedulerFetches(
                 self.directory,
-                list(urls),
-                config_from_mapping(extra, CONNECTOR_DEFAULTS),
+                list(settings.encoders),
+                settings.receiver,
                 resolver=PlaceholderMetadataResolver(model_config),
                 hidden_size=model_config.get_hidden_size(),
                 deepstack_levels=_deepstack_levels(model_config),
