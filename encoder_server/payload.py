@@ -83,9 +83,11 @@ class ItemPayload:
     def build(cls, prepared: PreparedImage, encoded: TimedEmbedding, preprocess_ms: float) -> ItemPayload:
         output = encoded.output
         parts = [output.embedding] + ([output.deepstack] if output.deepstack is not None else [])
+        size = prepared.image_size
         header = pb.ItemHeader(
             num_tokens=prepared.num_tokens,
             grid_thw=prepared.grid_thw,
+            image_size=None if size is None else pb.ImageSize(width=size[0], height=size[1]),
             hidden_size=output.embedding.shape[1],
             dtype=wire.WIRE_DTYPES[output.embedding.dtype],
             num_deepstack_layers=0 if output.deepstack is None else output.deepstack.shape[0],

@@ -9,6 +9,7 @@ import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
+from dataclasses import replace
 
 from encoder_common.digests import DigestMemo
 from encoder_common.errors import InvalidItemError, OverloadedError
@@ -230,7 +231,7 @@ class ItemPipeline:
         config = self.config
         image = self.profile.decode(data, max_pixels=config.max_image_pixels, max_aspect_ratio=config.max_aspect_ratio)
         try:
-            return self.encoder.preprocess(image, self.profile)
+            return replace(self.encoder.preprocess(image, self.profile), image_size=image.size)
         except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
             raise InvalidItemError(f"the image processor refused it: {exc}") from None
 

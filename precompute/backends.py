@@ -10,6 +10,7 @@ import torch
 
 from encoder_common.errors import EncoderError, InvalidItemError
 from receiver.client import EncoderReceiver
+from receiver.config import ReceiverConfig
 from receiver.embeddings.result import ItemResult
 from receiver.errors import ShardError
 
@@ -19,8 +20,8 @@ from .files import ModelStamp, dtype_name
 class ServerBackend:
     """Encodes through running encoder servers, sharded by an EncoderReceiver."""
 
-    def __init__(self, urls: Sequence[str], timeout: float):
-        self.receiver = EncoderReceiver(urls, timeout=timeout)
+    def __init__(self, urls: Sequence[str], config: ReceiverConfig):
+        self.receiver = EncoderReceiver(urls, config)
 
     async def stamp(self) -> ModelStamp:
         served = await self.receiver.served_model()

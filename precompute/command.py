@@ -11,6 +11,7 @@ from dataclasses import replace
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
 from encoder_common.errors import EncoderError
 from protos import wire
+from receiver.config import ReceiverConfig, add_credential_flags, credentials_from_args
 
 from .backends import InProcessBackend, ServerBackend
 from .run import PrecomputeSettings, Summary, collect_images, precompute
@@ -28,7 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
         "paths", nargs="+", help="image files and folders (searched recursively); @FILE reads paths from FILE"
     )
     add_config_flags(p, PrecomputeSettings)
+    add_credential_flags(p)
     return p
+
+
+def settings_from_args(args: argparse.Namespace) -> PrecomputeSettings:
+    """The PrecomputeSettings the parsed flags describe, with the receiver's TLS and token files read."""
+    receiver = config_from_args(ReceiverConfig, args, **credentials_from_args(args))
+    return config_from_args(PrecomputeSettings, args, receiver=receiver)
 
 
 async def _run(paths: Sequence[str], settings: PrecomputeSettings) -> Summary:
@@ -40,7 +48,7 @@ async def _run(paths: Sequence[str], settings: PrecomputeSettings) -> Summary:
         settings = replace(settings, concurrency=1)  # one forward at a time
     else:
         urls = [url.strip() for url in settings.encoder_url.split(",") if url.strip()]
-        backend = ServerBackend(urls, settings.timeout)
+        backend = ServerBackend(urls, settings.receiver)
     try:
         return await precompute(backend, files, settings)
     finally:
@@ -53,7 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (args.encoder_url is None) == (args.model is None):
         parser.error("give exactly one of --encoder-url and --model")
     try:
-        summary = asyncio.run(_run(args.paths, config_from_args(PrecomputeSettings, args)))
+        settings = settings_from_args(args)
+    except (OSError, ValueError) as exc:  # a credential file missing or empty, a half TLS pair
+        parser.error(str(exc))
+    try:
+        summary = asyncio.run(_run(args.paths, settings))
     except (EncoderError, FileNotFoundError) as exc:
         print(f"encoder-precompute: error: {exc}", file=sys.stderr)
         return 2

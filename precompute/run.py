@@ -4,6 +4,7 @@ checked against the model's stamp, and the missing ones encoded in batches by co
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -12,9 +13,10 @@ from pathlib import Path
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from encoder_common.env_flags import flag
+from encoder_common.env_flags import flag, section
 from encoder_common.errors import EncoderError, InvalidItemError
 from encoder_server.config import dtype_flag
+from receiver.config import ReceiverConfig
 from receiver.embeddings.precomputed_files import content_key, output_path, read_metadata
 
 from .backends import InProcessBackend, ServerBackend
@@ -65,7 +67,10 @@ class PrecomputeSettings:
     dtype: str = field(default="bfloat16", metadata=dtype_flag("with --model: served dtype"))
     batch_size: int = field(default=8, metadata=flag("images per Encode request or forward"))
     concurrency: int = field(default=4, metadata=flag("requests in flight (servers only)"))
-    timeout: float = field(default=600.0, metadata=flag("deadline of one request, seconds"))
+    # How the servers are reached (their flags are encoder-client's); a longer deadline than a prefill's.
+    receiver: ReceiverConfig = field(
+        default_factory=functools.partial(ReceiverConfig, timeout=600.0), metadata=section(settings=ReceiverConfig)
+    )
     progress: bool = field(default=True, metadata=flag("no progress bar"))
 
 

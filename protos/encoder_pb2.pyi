@@ -123,7 +123,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class ItemHeader(_message.Message):
-    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing", "shm", "lease", "content_sha256", "not_held")
+    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing", "shm", "lease", "content_sha256", "not_held", "image_size")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class ItemHeader(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
     NOT_HELD_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     index: int
     num_tokens: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
@@ -150,7 +151,16 @@ class ItemHeader(_message.Message):
     lease: LeaseGrant
     content_sha256: bytes
     not_held: bool
-    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., lease: _Optional[_Union[LeaseGrant, _Mapping]] = ..., content_sha256: _Optional[bytes] = ..., not_held: _Optional[bool] = ...) -> None: ...
+    image_size: ImageSize
+    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., lease: _Optional[_Union[LeaseGrant, _Mapping]] = ..., content_sha256: _Optional[bytes] = ..., not_held: _Optional[bool] = ..., image_size: _Optional[_Union[ImageSize, _Mapping]] = ...) -> None: ...
+
+class ImageSize(_message.Message):
+    __slots__ = ("width", "height")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    height: int
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("header", "chunk")

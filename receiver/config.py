@@ -6,8 +6,12 @@ transport registry (receiver.transports)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import types as types_module
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -132,13 +136,77 @@ def add_credential_flags(parser: argparse.ArgumentParser) -> None:
 
 def credentials_from_args(args: argparse.Namespace) -> dict[str, ClientTls | str | None]:
     """`tls` and `auth_token` for a ReceiverConfig, read from the files `add_credential_flags` names."""
+    return credentials_from_files(**{name: getattr(args, name) for name in CREDENTIAL_FILES})
+
+
+# The files a receiver's credentials are read from, by the names of their flags' values.
+CREDENTIAL_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file", "auth_token_file")
+
+
+def credentials_from_files(
+    *, tls_ca_file: str | None, tls_cert_file: str | None, tls_key_file: str | None, auth_token_file: str | None
+) -> dict[str, ClientTls | str | None]:
+    """`tls` and `auth_token` for a ReceiverConfig, read from PEM files and a file whose first line is the
+    token (each None: not given)."""
     tls = None
-    if args.tls_ca_file or args.tls_cert_file or args.tls_key_file:
-        tls = ClientTls.from_files(ca_file=args.tls_ca_file, cert_file=args.tls_cert_file, key_file=args.tls_key_file)
+    if tls_ca_file or tls_cert_file or tls_key_file:
+        tls = ClientTls.from_files(ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
     auth_token = None
-    if args.auth_token_file:
-        lines = Path(args.auth_token_file).read_text().splitlines()
+    if auth_token_file:
+        lines = Path(auth_token_file).read_text().splitlines()
         auth_token = lines[0].strip() if lines else ""
         if not auth_token:
-            raise ValueError(f"{args.auth_token_file} holds no token")
+            raise ValueError(f"{auth_token_file} holds no token")
     return {"tls": tls, "auth_token": auth_token}
+
+
+def config_from_mapping(values: Mapping[str, Any], defaults: ReceiverConfig | None = None) -> ReceiverConfig:
+    """A ReceiverConfig from JSON-like settings (vLLM's `ec_connector_extra_config`): keys are its fields'
+    names (`failover`: a mapping of FailoverPolicy's), and the credentials come from files, under the keys of
+    CREDENTIAL_FILES; the others keep `defaults`. An unknown key or a value of the wrong type is refused,
+    naming it."""
+    files = {name: values.get(name) for name in CREDENTIAL_FILES}
+    settings = {key: value for key, value in values.items() if key not in files}
+    config = _settings(ReceiverConfig, settings, defaults or ReceiverConfig(), exclude=("tls", "auth_token"))
+    if any(files.values()):
+        config = replace(config, **credentials_from_files(**files))
+    return config
+
+
+def _settings(cls: type, values: Mapping[str, Any], defaults: Any, *, exclude: tuple[str, ...] = ()) -> Any:
+    """`defaults` (an instance of the dataclass `cls`) with the fields `values` names, each checked against its
+    annotation: a number, text, a list of paths, or a mapping of a nested dataclass's fields."""
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls) if f.name not in exclude]
+    changes = {}
+    for key, value in values.items():
+        if key not in known:
+            extra = f", and the credential files {', '.join(CREDENTIAL_FILES)}" if cls is ReceiverConfig else ""
+            raise ValueError(f"unknown receiver setting {key!r}; the settings are {', '.join(known)}{extra}")
+        changes[key] = _value(key, hints[key], value, getattr(defaults, key))
+    return replace(defaults, **changes)
+
+
+def _value(key: str, hint: Any, value: Any, default: Any) -> Any:
+    types = typing.get_args(hint) if isinstance(hint, types_module.UnionType) else (hint,)
+    if value is None and type(None) in types:
+        return None
+    kind = next(t for t in types if t is not type(None))
+    if is_dataclass(kind) and isinstance(value, Mapping):
+        return _settings(kind, value, default)
+    if typing.get_origin(kind) is tuple and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(Path(v) for v in value)
+    numeric = kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
+    if numeric and (kind is float or isinstance(value, int)):
+        return kind(value)
+    if kind is str and isinstance(value, str):
+        return value
+    raise ValueError(f"receiver setting {key!r} must be {_expected(kind)}, got {value!r}")
+
+
+def _expected(kind: Any) -> str:
+    if is_dataclass(kind):
+        return f"a mapping of {kind.__name__}'s fields"
+    if typing.get_origin(kind) is tuple:
+        return "a list of paths"
+    return {int: "an integer", float: "a number", str: "text"}[kind]

@@ -25,7 +25,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from gateway.handoff import image_embeds_part  # noqa: E402
+from encoder_common.vllm_inputs import GridEmbeds  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from receiver.vllm.item_files import create_item_file, map_item_file, new_item_path, sweep_dead  # noqa: E402
 from testkit.bench_harness import Stopwatch, median, write_json  # noqa: E402
@@ -63,7 +63,7 @@ async def json_handoff(rx: EncoderReceiver, round_index: int) -> tuple[float, fl
     watch = Stopwatch()
     item = (await rx.encode(f"inline-{round_index}", [{"data": image_bytes(16, 16)}])).items[0]
     to_gateway_s = watch.lap()
-    body = json.dumps({"messages": [{"role": "user", "content": [image_embeds_part(item)]}]})
+    body = json.dumps({"messages": [{"role": "user", "content": [GridEmbeds().inline_part(item)]}]})
     write_s = watch.lap()
     part = json.loads(body)["messages"][0]["content"][0]["image_embeds"]
     tensor = torch.load(io.BytesIO(base64.b64decode(part["image_embeds"])), weights_only=True)

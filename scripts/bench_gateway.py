@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
 
 from encoder_common.env_flags import EnvDefaultsParser
+from encoder_common.vllm_inputs import GridEmbeds, serialize_tensor
 from gateway.app import start
 from gateway.config import GatewayConfig
-from gateway.handoff import image_embeds_part, serialize_tensor
 from receiver import EncoderReceiver
 from testkit.bench_harness import Stopwatch, median_ms
 from testkit.chat import chat_request, image_part
@@ -117,7 +117,7 @@ async def measure(args, session, model: str, engine_url: str, gateway: str, enco
             watch = Stopwatch()
             result = await receiver.encode("bench", [{"data": png}])
             samples["encode"].append(watch.lap())
-            part = image_embeds_part(result.items[0])
+            part = GridEmbeds().inline_part(result.items[0])
             samples["handoff"].append(watch.lap())
             samples["engine"].append(await timed_post(session, engine_url, request([part])))
     return samples, result.items[0].num_tokens

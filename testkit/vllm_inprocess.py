@@ -1,7 +1,7 @@
 """Run in .venv-engines (the checkout on PYTHONPATH): vLLM's `LLM.generate`, one request per image, once with
 the raw image as vLLM's own loader makes it of the file's bytes (vLLM runs its own tower) and once with
-`gateway.handoff.multi_modal_data` of the item the encoder server returned; prints one line, RESULT and
-JSON, comparing greedy ids and top logprobs per image file.
+`gateway.handoff.multi_modal_data` of the item the encoder server returned, in its family's form; prints one
+line, RESULT and JSON, comparing greedy ids and top logprobs per image file.
 
     python testkit/vllm_inprocess.py MODEL_DIR ENCODER_URL IMAGE...
 """
@@ -19,6 +19,7 @@ def main(model_dir: str, encoder_url: str, image_paths: list[str]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.multimodal.media.image import ImageMediaIO
 
+    from encoder_common.families import family_of
     from gateway.handoff import multi_modal_data
     from receiver import EncoderReceiver
 
@@ -26,11 +27,12 @@ def main(model_dir: str, encoder_url: str, image_paths: list[str]) -> None:
 
     async def encode():
         async with EncoderReceiver([encoder_url]) as receiver:
-            return {
+            family = family_of((await receiver.served_model()).family)
+            return family.vllm, {
                 name: await receiver.encode(name, [{"modality": "image", "data": data}]) for name, data in files.items()
             }
 
-    results = asyncio.run(encode())
+    taken, results = asyncio.run(encode())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     content = [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]
     prompt = tokenizer.apply_chat_template(
@@ -49,7 +51,9 @@ def main(model_dir: str, encoder_url: str, image_paths: list[str]) -> None:
         {"prompt": prompt, "multi_modal_data": {"image": [ImageMediaIO().load_bytes(data).media]}}
         for data in files.values()
     ]
-    embedded_requests = [{"prompt": prompt, "multi_modal_data": multi_modal_data(results[name])} for name in files]
+    embedded_requests = [
+        {"prompt": prompt, "multi_modal_data": multi_modal_data(results[name], taken)} for name in files
+    ]
     raw_outputs = llm.generate(raw_requests, params)
     embedded_outputs = llm.generate(embedded_requests, params)
     report = {}

@@ -47,6 +47,8 @@ class PreparedImage:
     num_patches: int  # patches the tower runs over for this image: the forward's cost unit
     # What the tower's call takes per image besides the pixels (LLaVA-NeXT's image_sizes), one row each.
     tower_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    # (width, height) of the image as loaded, which the item's header reports; set by the server's pipeline.
+    image_size: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import torch
 from PIL import Image
 
 from encoder_common.errors import EncoderError, TokenCountMismatchError
-from encoder_common.families import family_of
 from encoder_common.vllm_releases import (
     TOWER_BACKEND_VLLM,
     TOWER_BACKEND_VLLM_BELOW,
@@ -82,83 +81,59 @@ class VllmVisionEncoder(VisionEncoder):
 
     def __init__(self, model_dir: str | Path, device: str | torch.device | None, dtype: torch.dtype):
         version = check_vllm()
-        # The engine core in this process: its model is then an object here, called without a copy.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # On CPU this legacy setting would override the KV cache size set below (see there).
-        if os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) is not None:
-            log.info("VLLM_CPU_KVCACHE_SPACE ignored: an encoder-only model needs no KV cache")
-        from vllm import LLM
-        from vllm.multimodal.processing.processor import cached_encode
-        from vllm.multimodal.utils import group_and_batch_mm_kwargs
-        from vllm.v1.worker.utils import sanity_check_mm_encoder_outputs
-
-        self._group = group_and_batch_mm_kwargs
-        self._check_outputs = sanity_check_mm_encoder_outputs
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").exists():
             raise CheckpointError(f"{model_dir} has no config.json: not a Hugging Face checkpoint directory")
         if device is not None:
             log.info("--device %s: vLLM picks its own platform's device", device)
-        llm = LLM(
-            model=str(model_dir),
-            dtype=str(dtype).removeprefix("torch."),
-            mm_encoder_only=True,  # the language model is a placeholder: no weights, no memory
-            enforce_eager=True,
-            limit_mm_per_prompt={MODALITY: 1},  # items are processed one by one
-            mm_processor_cache_gb=0,  # repeats are the server's own cache's business
-            # vLLM 0.32 still sizes a KV cache for the absent language model, for one request of
-            # max_model_len tokens, out of a share of the device's memory (the host's, on CPU). Nothing
-            # reads it here: the smallest cache vLLM accepts, instead of gigabytes. Neither limits images,
-            # whose tokens never enter a prompt here.
-            max_model_len=KV_CACHE_TOKENS,
-            kv_cache_memory_bytes=KV_CACHE_BYTES,
-        )
-        self._llm = llm  # owns the engine the model lives in
-        # vLLM's CPU worker replaces torch.set_num_threads with a warning once it binds its threads, and its
-        # renderer calls it for every image: in one process, that warning would be logged per image.
-        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(
-            lambda record: "set_num_threads" not in record.msg
-        )
-        (self.model,) = llm.apply_model(lambda model: model)  # in-process: the model object itself
-        self.renderer = llm.llm_engine.renderer
+        from vllm.multimodal.utils import group_and_batch_mm_kwargs
+        from vllm.v1.worker.utils import sanity_check_mm_encoder_outputs
+
+        self._group = group_and_batch_mm_kwargs
+        self._check_outputs = sanity_check_mm_encoder_outputs
+        self._llm = start_encoder_only(model_dir, dtype)  # owns the engine the model lives in
+        (self.model,) = self._llm.apply_model(lambda model: model)  # in-process: the model object itself
+        self.renderer = self._llm.llm_engine.renderer
+        self._prompt = self._image_prompt(model_dir)
+        model_config = self._llm.llm_engine.model_config
+        vision_config = getattr(model_config.hf_config, "vision_config", None)
+        self.hidden_size = model_config.get_hidden_size()
+        self.deepstack_layers = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+        self.device = next(self.model.parameters()).device
+        self.spec = self._model_spec(version)
+
+    def _image_prompt(self, model_dir: Path) -> list[int]:
+        """The prompt vLLM itself builds for one image (its profiling input), in which its prompt updates
+        find the image placeholder: the processor then reports the image's embedding rows."""
+        from vllm.multimodal.processing.processor import cached_encode
+
         processor = self.renderer.get_mm_processor()
         if MODALITY not in processor.info.get_supported_mm_limits():
             raise CheckpointError(f"{model_dir}: vLLM serves no images for this model")
-        # The prompt vLLM itself builds for one image (its profiling input), in which its prompt updates
-        # find the image placeholder: the processor then reports the image's embedding rows.
         dummy_text = processor.dummy_inputs.get_dummy_text({MODALITY: 1})
-        self._prompt = cached_encode(self.renderer.get_tokenizer(), dummy_text, truncation=False)
-        hf_config = llm.llm_engine.model_config.hf_config
+        return cached_encode(self.renderer.get_tokenizer(), dummy_text, truncation=False)
+
+    def _model_spec(self, version: str) -> ModelSpec:
+        """What the loaded model serves. Families whose processor gives no patch grid report each item as
+        (1, 1, tokens), so ModelInfo's t * h * w / merge^2 = tokens holds with no merge; the others, their
+        vision config's patching."""
+        hf_config = self._llm.llm_engine.model_config.hf_config
         vision_config = getattr(hf_config, "vision_config", None)
-        parameter = next(self.model.parameters())
-        self.hidden_size = llm.llm_engine.model_config.get_hidden_size()
-        self.deepstack_layers = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
-        self.device = parameter.device
-        hf_processor = processor.info.get_hf_processor()
-        # Families whose processor gives no patch grid report each item as (1, 1, tokens), so ModelInfo's
-        # t * h * w / merge^2 = tokens holds with no merge; the others, their vision config's patching.
         gridded = GRID_KEY in self._process(Image.new("RGB", (64, 64)))[0]
         patching = vision_config if gridded else None
-        family = hf_config.model_type.removesuffix("_moe")  # a MoE language model does not change the tower
-        # Families vLLM sizes from the image's size (its `image_embeds` with `image_sizes`, MiniCPM-V): each
-        # item reports (1, height, width) of the image as loaded, which the gateway hands vLLM; the rows
-        # are then not the grid's (spatial_merge_size 0).
-        known = family_of(hf_config.model_type)
-        self._sized = known is not None and known.vllm.image_embeds == "image_sizes"
-        self.spec = ModelSpec(
-            family=family,
+        hf_processor = self.renderer.get_mm_processor().info.get_hf_processor()
+        return ModelSpec(
+            family=hf_config.model_type.removesuffix("_moe"),  # a MoE language model does not change the tower
             model_type=hf_config.model_type,
             hidden_size=self.hidden_size,
-            dtype=parameter.dtype,
+            dtype=next(self.model.parameters()).dtype,
             device=self.device,
             patch_size=getattr(vision_config, "patch_size", 1),
-            spatial_merge_size=0 if self._sized else getattr(patching, "spatial_merge_size", 1),
+            spatial_merge_size=getattr(patching, "spatial_merge_size", 1),
             temporal_patch_size=getattr(patching, "temporal_patch_size", 1),
             num_deepstack_layers=self.deepstack_layers,
             weights_fingerprint=module_fingerprint(self.model),
-            preprocess_fingerprint=processor_fingerprint(
-                getattr(hf_processor, "image_processor", hf_processor)
-            ),
+            preprocess_fingerprint=processor_fingerprint(getattr(hf_processor, "image_processor", hf_processor)),
             backend="vllm",
             backend_version=version,
         )
@@ -173,8 +148,6 @@ class VllmVisionEncoder(VisionEncoder):
         if grid is not None:
             grid_thw = tuple(int(x) for x in grid.data.tolist())
             num_patches = grid_thw[0] * grid_thw[1] * grid_thw[2]
-        elif self._sized:
-            grid_thw, num_patches = (1, image.height, image.width), num_tokens
         else:
             grid_thw, num_patches = (1, 1, num_tokens), num_tokens
         tensors = [elem.data for elem in item.values() if isinstance(elem.data, torch.Tensor)]
@@ -215,6 +188,36 @@ class VllmVisionEncoder(VisionEncoder):
         main, levels = output.split([self.hidden_size, self.hidden_size * self.deepstack_layers], dim=-1)
         deepstack = levels.reshape(output.shape[0], self.deepstack_layers, self.hidden_size).transpose(0, 1)
         return ImageEmbedding(main.contiguous(), deepstack.contiguous())
+
+
+def start_encoder_only(model_dir: Path, dtype: torch.dtype):
+    """vLLM's engine in this process on the checkpoint, its model loaded encoder-only (`mm_encoder_only`: the
+    language model is a placeholder, no weights, no memory); a `vllm.LLM`."""
+    # The engine core in this process: its model is then an object here, called without a copy.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # On CPU this legacy setting would override the KV cache size set below (see there).
+    if os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) is not None:
+        log.info("VLLM_CPU_KVCACHE_SPACE ignored: an encoder-only model needs no KV cache")
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model_dir),
+        dtype=str(dtype).removeprefix("torch."),
+        mm_encoder_only=True,
+        enforce_eager=True,
+        limit_mm_per_prompt={MODALITY: 1},  # items are processed one by one
+        mm_processor_cache_gb=0,  # repeats are the server's own cache's business
+        # vLLM 0.32 still sizes a KV cache for the absent language model, for one request of
+        # max_model_len tokens, out of a share of the device's memory (the host's, on CPU). Nothing
+        # reads it here: the smallest cache vLLM accepts, instead of gigabytes. Neither limits images,
+        # whose tokens never enter a prompt here.
+        max_model_len=KV_CACHE_TOKENS,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
+    # vLLM's CPU worker replaces torch.set_num_threads with a warning once it binds its threads, and its
+    # renderer calls it for every image: in one process, that warning would be logged per image.
+    logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.msg)
+    return llm
 
 
 def module_fingerprint(model: torch.nn.Module) -> str:

@@ -165,6 +165,7 @@ class ShardAssembler:
             preprocess_ms=timing.preprocess_ms,
             forward_ms=timing.forward_ms,
             stream_ms=(time.perf_counter() - self._started) * 1000,
+            image_size=(header.image_size.width, header.image_size.height) if header.HasField("image_size") else None,
         )
         self.items[header.index] = result
         if len(header.content_sha256) == 32:

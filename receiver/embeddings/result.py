@@ -27,6 +27,7 @@ class ItemResult:
     preprocess_ms: float = 0.0
     forward_ms: float = 0.0
     stream_ms: float = 0.0  # from the call's start until the item's last byte arrived
+    image_size: tuple[int, int] | None = None  # (width, height) of the image as the encoder loaded it
 
     @property
     def num_tokens(self) -> int:

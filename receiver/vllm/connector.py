@@ -24,12 +24,14 @@ asked to load an embedding that is not there, which would kill the engine.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config import ReceiverConfig, config_from_mapping
 from .contract import check_vllm_contract
 from .fetches import ItemFile, SchedulerFetches
 from .item_files import DEFAULT_DIRECTORY
@@ -53,7 +55,30 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-DEFAULT_FETCH_TIMEOUT_S = 30.0
+# The receiver's settings where the extra config says nothing: a fetch's deadline, every encoder tried included.
+CONNECTOR_DEFAULTS = ReceiverConfig(timeout=30.0)
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What `ec_connector_extra_config` configures: the encoders, the directory the worker maps received
+    embeddings from, and the receiver's settings (`receiver.config.config_from_mapping`: ReceiverConfig's
+    fields and the TLS and token files; CONNECTOR_DEFAULTS for the others)."""
+
+    encoders: tuple[str, ...]
+    directory: Path
+    receiver: ReceiverConfig
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        settings = dict(extra)
+        urls = settings.pop("encoders", None)
+        if not urls or isinstance(urls, str):
+            raise ValueError(
+                'EncoderServiceConnector needs ec_connector_extra_config {"encoders": ["grpc://host:port", ...]}'
+            )
+        directory = Path(settings.pop("directory", DEFAULT_DIRECTORY))
+        return cls(tuple(urls), directory, config_from_mapping(settings, CONNECTOR_DEFAULTS))
 
 
 @dataclass
@@ -66,9 +91,8 @@ class EncoderServiceConnectorMetadata(ECConnectorMetadata):
 class EncoderServiceConnector(ECConnectorBase):
     """Encoder-cache connector of an `ec_consumer`: embeddings come from the encoder pods' leases.
 
-    Extra config (`ec_connector_extra_config`): `encoders` (list of URLs, required), `fetch_timeout_s`
-    (30), `transfer` ("auto": shared memory from encoders on this host, else the gRPC stream), and
-    `directory` (/dev/shm) for the files handed to the worker.
+    Extra config (`ec_connector_extra_config`): `encoders` (list of URLs, required), `directory` (/dev/shm)
+    and the receiver's settings (ConnectorSettings), listed in docs/vllm-connector.md.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):
@@ -76,25 +100,16 @@ class EncoderServiceConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         if not self.is_consumer or self.is_producer:
             raise ValueError('EncoderServiceConnector runs on an "ec_consumer" instance only')
-        transfer_config = vllm_config.ec_transfer_config
-        self.directory = Path(transfer_config.get_from_extra_config("directory", str(DEFAULT_DIRECTORY)))
+        settings = ConnectorSettings.from_extra_config(vllm_config.ec_transfer_config.ec_connector_extra_config)
+        self.directory = settings.directory
         model_config = vllm_config.model_config
         self.model_dtype = model_config.dtype
         self._scheduler: SchedulerFetches | None = None
         if role == ECConnectorRole.SCHEDULER:
-            urls = transfer_config.get_from_extra_config("encoders", None)
-            if not urls or isinstance(urls, str):
-                raise ValueError(
-                    "EncoderServiceConnector needs ec_connector_extra_config "
-                    '{"encoders": ["grpc://host:port", ...]}'
-                )
             self._scheduler = SchedulerFetches(
                 self.directory,
-                list(urls),
-                timeout=float(
-                    transfer_config.get_from_extra_config("fetch_timeout_s", DEFAULT_FETCH_TIMEOUT_S)
-                ),
-                transfer=str(transfer_config.get_from_extra_config("transfer", "auto")),
+                list(settings.encoders),
+                settings.receiver,
                 resolver=PlaceholderMetadataResolver(model_config),
                 hidden_size=model_config.get_hidden_size(),
                 deepstack_levels=_deepstack_levels(model_config),

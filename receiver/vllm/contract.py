@@ -51,7 +51,8 @@ def contract_gaps(connector: type, import_gap: str | None = None) -> list[str]:
                      _code_names(ECConnectorBase.__init__))
     gaps += _missing("ECConnectorRole", ("SCHEDULER", "WORKER"), lambda name: hasattr(ECConnectorRole, name))
     gaps += _missing("PlaceholderMetadataResolver", ["fields_for"], vars(PlaceholderMetadataResolver))
-    gaps += _missing("ECTransferConfig", ["get_from_extra_config"], vars(ECTransferConfig))
+    extra_config = {f.name for f in dataclasses.fields(ECTransferConfig)}
+    gaps += _missing("ECTransferConfig", ["ec_connector_extra_config"], extra_config)
     feature_fields = {f.name for f in dataclasses.fields(MultiModalFeatureSpec)}
     feature_members = ("data", "modality", "identifier", "mm_position")
     gaps += _missing("MultiModalFeatureSpec", feature_members, feature_fields)

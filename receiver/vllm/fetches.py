@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..client import EncoderReceiver
+from ..config import ReceiverConfig
 from ..fleet.fetch import UUID_PREFIX, lease_key
 from .item_files import create_item_file, map_item_file, new_item_path, sweep_dead
 
@@ -79,15 +80,13 @@ class SchedulerFetches:
         self,
         directory: Path,
         urls: list[str],
+        config: ReceiverConfig,
         *,
-        timeout: float,
-        transfer: str,
         resolver: PlaceholderMetadataResolver,
         hidden_size: int,
         deepstack_levels: int,
     ):
         self.directory = directory
-        self.timeout = timeout
         self.resolver = resolver
         self.hidden_size = hidden_size
         self.deepstack_levels = deepstack_levels
@@ -101,12 +100,12 @@ class SchedulerFetches:
         self._thread = threading.Thread(target=self._loop.run_forever, name="encoder-connector", daemon=True)
         self._thread.start()
         self._receiver: EncoderReceiver = asyncio.run_coroutine_threadsafe(
-            self._make_receiver(urls, transfer), self._loop
+            self._make_receiver(urls, config), self._loop
         ).result()
         log.info("EncoderServiceConnector: fetching embeddings from %s", urls)
 
-    async def _make_receiver(self, urls: list[str], transfer: str) -> EncoderReceiver:
-        return EncoderReceiver(urls, timeout=self.timeout, transfer=transfer)
+    async def _make_receiver(self, urls: list[str], config: ReceiverConfig) -> EncoderReceiver:
+        return EncoderReceiver(urls, config)
 
     def _outcome(self, item: _Item | None) -> tuple[ItemFile | None, str | None]:
         """The item's file and error as the fetch left them (both None while it runs)."""

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 
 import grpc
 import pytest
 import torch
+from PIL import Image
 
 from protos import encoder_pb2 as pb
 from protos.wire import CHUNK_BYTES
 from receiver import EncoderReceiver, ShardError, UnsupportedModalityError
+from testkit.image_set import KIND_SIZE, image_set
 from testkit.images import image_bytes
 from testkit.reference import reference_features
 from testkit.servers import running_server
@@ -32,6 +35,7 @@ async def test_embeddings_equal_in_process_get_image_features_fp32(default_model
     async with EncoderReceiver([s.url for s in two_servers], seed=3) as rx:
         result = await rx.encode("parity", [{"modality": "image", "data": d} for d in images])
     assert [item.index for item in result.items] == list(range(len(images)))
+    assert [item.image_size for item in result.items] == SIZES
     for item, features in zip(result.items, expected):
         (reference,) = features.pooler_output
         assert item.embedding.dtype == torch.float32
@@ -53,6 +57,16 @@ async def test_bf16_embeddings_match_within_bf16_tolerance(default_model_dir):
     for item, features in zip(result.items, expected):
         assert item.embedding.dtype == torch.bfloat16
         torch.testing.assert_close(item.embedding, features.pooler_output[0], rtol=1.6e-2, atol=1e-2)
+
+
+async def test_the_header_gives_the_image_size_as_loaded(two_servers):
+    """`ItemHeader.image_size` is the image after its EXIF orientation: a JPEG stored turned reports the size it
+    is shown at."""
+    data = image_set()["jpeg-exif-rotated"]
+    assert Image.open(io.BytesIO(data)).size == KIND_SIZE[::-1]
+    async with EncoderReceiver([two_servers[0].url]) as rx:
+        (item,) = (await rx.encode("exif", [{"data": data}])).items
+    assert item.image_size == KIND_SIZE
 
 
 async def rx_info(url: str) -> pb.ModelInfo:

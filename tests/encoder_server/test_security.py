@@ -18,6 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoder_server.tls import TlsConfig
 from receiver import ClientTls, EncodeFailedError, EncoderReceiver
+from receiver.config import ReceiverConfig
+from receiver.fleet.fetch import FetchFailedError
+from receiver.vllm.connector import CONNECTOR_DEFAULTS, ConnectorSettings
 from testkit.images import image_bytes
 from testkit.launcher import launch_server
 from testkit.servers import running_server
@@ -196,3 +199,61 @@ async def test_cli_flags_serve_mtls_with_a_token(default_model_dir, pki, token_f
                 await encode_one(rx)
         assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert TOKEN not in proc.log()
+
+
+async def test_the_vllm_connector_settings_reach_an_mtls_encoder_with_a_token(default_model_dir, pki, token_file):
+    """EncoderServiceConnector's receiver, configured from its `ec_connector_extra_config` alone, fetches an item
+    leased on an encoder that asks for a client certificate and the token; without them the fetch is refused."""
+    tls = TlsConfig(
+        cert_file=str(pki.server.cert_file), key_file=str(pki.server.key_file), client_ca_file=str(pki.ca.cert_file)
+    )
+    async with running_server(default_model_dir, tls=tls, auth_token_file=str(token_file)) as server:
+        extra = {
+            "encoders": [grpcs(server)],
+            "tls_ca_file": str(pki.ca.cert_file),
+            "tls_cert_file": str(pki.client.cert_file),
+            "tls_key_file": str(pki.client.key_file),
+            "auth_token_file": str(token_file),
+            "placement": "affinity",
+            "failover": {"max_attempts": 2},
+        }
+        settings = ConnectorSettings.from_extra_config(extra)
+        assert settings.receiver.timeout == CONNECTOR_DEFAULTS.timeout and settings.receiver.failover.max_attempts == 2
+        async with EncoderReceiver(settings.encoders, settings.receiver) as rx:
+            leased = await rx.encode("leased", [{"data": image_bytes(56, 56)}], lease_ms=30_000, withhold_payloads=True)
+            key = leased.items[0].lease.key
+            assert (await rx.fetch("fetch", key)).num_tokens == 4
+            leased = await rx.encode("again", [{"data": image_bytes(56, 56)}], lease_ms=30_000, withhold_payloads=True)
+        for dropped in (("auth_token_file",), ("tls_cert_file", "tls_key_file")):
+            without = {key: value for key, value in extra.items() if key not in dropped}
+            settings = ConnectorSettings.from_extra_config({**without, "timeout": 5})
+            async with EncoderReceiver(settings.encoders, settings.receiver) as rx:
+                with pytest.raises(FetchFailedError):
+                    await rx.fetch("refused", leased.items[0].lease.key)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({}, "needs ec_connector_extra_config"),
+        ({"encoders": "grpc://a:1"}, "needs ec_connector_extra_config"),
+        ({"encoders": ["grpc://a:1"], "fetch_timeout_s": 5}, "unknown receiver setting 'fetch_timeout_s'; the settings are timeout, "),
+        ({"encoders": ["grpc://a:1"], "auth_token": "x"}, "unknown receiver setting 'auth_token'.*auth_token_file"),
+        ({"encoders": ["grpc://a:1"], "timeout": "30"}, "'timeout' must be a number, got '30'"),
+        ({"encoders": ["grpc://a:1"], "seed": True}, "'seed' must be an integer, got True"),
+        ({"encoders": ["grpc://a:1"], "failover": {"tries": 2}}, "unknown receiver setting 'tries'; the settings are max_attempts"),
+        ({"encoders": ["grpc://a:1"], "placement": "nearest"}, "placement must be one of"),
+        ({"encoders": ["grpc://a:1"], "tls_cert_file": "c.pem"}, "No such file|a client certificate needs its private key"),
+    ],
+)
+def test_the_vllm_connector_refuses_bad_settings_naming_them(extra, message):
+    with pytest.raises((ValueError, OSError), match=message):
+        ConnectorSettings.from_extra_config(extra)
+
+
+def test_the_vllm_connector_takes_the_receivers_settings_by_their_names(tmp_path):
+    settings = ConnectorSettings.from_extra_config(
+        {"encoders": ["grpc://a:1"], "directory": str(tmp_path), "timeout": 5, "seed": 3, "file_roots": ["/srv"]}
+    )
+    assert settings.directory == tmp_path
+    assert settings.receiver == ReceiverConfig(timeout=5.0, seed=3, file_roots=(Path("/srv"),))

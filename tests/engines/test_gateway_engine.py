@@ -9,7 +9,7 @@ import re
 import aiohttp
 import pytest
 
-from gateway.handoff import image_embeds_part
+from encoder_common.vllm_inputs import GridEmbeds
 from receiver import EncoderReceiver
 from testkit.servers import running_server
 from tests.support.gateway import (
@@ -91,7 +91,7 @@ async def test_client_precomputed_item_beside_raw_images(gateway, vllm, default_
     first, second, third = images([(112, 140), (196, 196), (56, 112)], seed=70)
     async with EncoderReceiver(encoders[:1]) as receiver:
         result = await receiver.encode("client-side", [{"modality": "image", "data": second}])
-    mixed = [image_part(first), image_embeds_part(result.items[0]), image_part(third)]
+    mixed = [image_part(first), GridEmbeds().inline_part(result.items[0]), image_part(third)]
     raw = [image_part(first), image_part(second), image_part(third)]
     for stream in (False, True):
         direct = await complete(session, vllm.url, chat_request(str(default_model_dir), raw, stream=stream))

@@ -158,7 +158,7 @@ async def consumer(model_dir, dtype, reference, encoders, tmp_path_factory):
     """vLLM on a copy whose vision weights are zeros, as an ec_consumer with EncoderServiceConnector: it
     takes inline embeddings and fetches leased ones, and its own tower would answer wrongly."""
     zeroed = zeroed_tower_copy(model_dir, tmp_path_factory.mktemp("zeroed") / "model")
-    args = engine_args(dtype, "--ec-transfer-config", connector_transfer_config(encoders, fetch_timeout_s=60))
+    args = engine_args(dtype, "--ec-transfer-config", connector_transfer_config(encoders, timeout=60))
     log_path = tmp_path_factory.mktemp("vllm-consumer") / "vllm.log"
     with launch_vllm(zeroed, log_path=log_path, extra_args=args) as server:
         yield server

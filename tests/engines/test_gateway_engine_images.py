@@ -65,7 +65,7 @@ async def blind_vllm(reference, encoder, default_model_dir, tmp_path_factory):
     inline image_embeds parts too."""
     model_dir = zeroed_tower_copy(default_model_dir, tmp_path_factory.mktemp("zeroed-tower") / "model")
     log_dir = tmp_path_factory.mktemp("vllm-blind")
-    consumer = [*SERVED, "--ec-transfer-config", connector_transfer_config([encoder.url], fetch_timeout_s=60)]
+    consumer = [*SERVED, "--ec-transfer-config", connector_transfer_config([encoder.url], timeout=60)]
     with engine_server(model_dir, log_dir, extra_args=consumer) as server:
         yield server
 

@@ -69,7 +69,7 @@ def consumer(qwen3_model, reference, encoder, tmp_path_factory):
     """vLLM on a copy whose vision weights (deepstack mergers included) are zeros, as an ec_consumer with
     EncoderServiceConnector: it takes inline embeddings and fetches leased ones."""
     zeroed = zeroed_tower_copy(qwen3_model, tmp_path_factory.mktemp("zeroed") / "model")
-    args = [*SERVED, "--ec-transfer-config", connector_transfer_config([encoder.url], fetch_timeout_s=60)]
+    args = [*SERVED, "--ec-transfer-config", connector_transfer_config([encoder.url], timeout=60)]
     with engine_server(zeroed, tmp_path_factory.mktemp("vllm-consumer"), extra_args=args) as server:
         yield server
 

@@ -11,10 +11,11 @@ import signal
 import aiohttp
 import pytest
 
+from encoder_common.vllm_inputs import GridEmbeds
 from encoder_server.leases import LeaseConfig
 from gateway.app import start
 from gateway.config import GatewayConfig
-from gateway.handoff import image_embeds_part, leased_part
+from gateway.handoff import leased_part
 from receiver import EncoderReceiver
 from testkit.launcher import launch_server
 from testkit.servers import running_server
@@ -114,7 +115,7 @@ async def consumer(reference, encoders, killable_encoder, zeroed_tower_model, tm
     with launch_vllm(
         zeroed_tower_model,
         log_path=log_path,
-        extra_args=served(["--ec-transfer-config", connector_transfer_config(urls, fetch_timeout_s=60)]),
+        extra_args=served(["--ec-transfer-config", connector_transfer_config(urls, timeout=60)]),
     ) as server:
         yield server
 
@@ -177,7 +178,7 @@ async def test_client_precomputed_item_beside_raw_images(gateway, reference, enc
     async with EncoderReceiver([encoders[0].url]) as receiver:
         precomputed = await receiver.encode("client-side", [{"data": second}])
     grants = [server.leases.grants for server in encoders[:2]]
-    parts = [image_part(first), image_embeds_part(precomputed.items[0]), image_part(third)]
+    parts = [image_part(first), GridEmbeds().inline_part(precomputed.items[0]), image_part(third)]
     got = await complete(session, gateway, chat_request(MODEL, parts))
     difference = logprob_gap(got, reference["mixed"])
     print(f"\nprecomputed + raw (inline for this request): largest logprob difference {difference:.2e}")

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from encoder_common.families import FAMILIES
+from encoder_common.vllm_inputs import engine_embedding
 from gateway.app import start
 from gateway.config import GatewayConfig
-from gateway.handoff import ConnectorHandoff, InlineEmbedsHandoff, engine_embedding, leased_part
+from gateway.handoff import ConnectorHandoff, InlineEmbedsHandoff, leased_part
 from gateway.protocol import image_parts, replace_parts
 from receiver import EncoderReceiver
 from receiver.fleet.fetch import lease_key

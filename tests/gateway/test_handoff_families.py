@@ -20,15 +20,16 @@ from testkit.checkpoints import write_checkpoint
 from testkit.images import image_bytes
 from testkit.servers import running_server
 
+# The families inline cannot carry: vLLM refuses their image_embeds, or batches them at one token count only.
+REFUSED_INLINE = {"llava_next", "llava_onevision", "internvl", "gemma3", "mistral3", "glm4v", "idefics3"}
+
 
 @pytest.mark.parametrize("handoff", HANDOFFS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_start_up_check_follows_the_registry(family, handoff):
     """Inline needs an image_embeds form vLLM takes at any token count (the gateway builds each); the
     connector carries every family, Qwen3-VL's deepstack levels included."""
-    taken = FAMILIES[family].vllm
-    refused = handoff == "inline" and (taken.image_embeds is None or taken.equal_counts_only)
-    if refused:
+    if handoff == "inline" and family in REFUSED_INLINE:
         with pytest.raises(ValueError, match=f"family '{family}'.*connector"):
             check_family(family, handoff)
     else:
@@ -63,12 +64,12 @@ async def test_parts_for_families_vllm_sizes_from_the_image(tmp_path):
 
 
 async def test_parts_for_a_family_vllm_takes_with_its_image_size():
-    """MiniCPM-V 4.6: the encoder reports an item's image as loaded as the grid (1, height, width); inline,
-    the rows with `image_sizes` [width, height]; through the connector, the image beside the lease uuid (vLLM
-    0.32's 4.6 processor drops a metadata-only part)."""
+    """MiniCPM-V 4.6: the encoder reports an item's image as loaded in `image_size`; inline, the rows with
+    `image_sizes` [width, height]; through the connector, the image beside the lease uuid (vLLM 0.32's 4.6
+    processor drops a metadata-only part)."""
     family = FAMILIES["minicpmv4_6"]
     rows = torch.randn(28, 8)
-    item = ItemResult(index=0, embedding=rows, grid_thw=(1, 250, 333), encoder_url="x")
+    item = ItemResult(index=0, embedding=rows, grid_thw=(1, 1, 28), encoder_url="x", image_size=(333, 250))
     (part,) = await InlineEmbedsHandoff().content_parts(
         "inline", EncodeResult("inline", [item]), family=family, images=[b"png"]
     )
@@ -83,3 +84,7 @@ async def test_parts_for_a_family_vllm_takes_with_its_image_size():
     )
     assert part["type"] == "image_url" and part["uuid"] == item_uuid(bytes(32))
     assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == b"png"
+
+    sizeless = ItemResult(index=3, embedding=rows, grid_thw=(1, 1, 28), encoder_url="x")  # from an older server
+    with pytest.raises(ValueError, match="item 3 has no image size"):
+        await InlineEmbedsHandoff().content_parts("old", EncodeResult("old", [sizeless]), family=family, images=[b""])

@@ -186,6 +186,17 @@ def test_the_precompute_flags_build_its_settings_with_their_own_defaults(monkeyp
     args = precompute.build_parser().parse_args(["images/", "--out", "/cache", "--no-progress", "--dtype", "float16"])
     settings = config_from_args(precompute.PrecomputeSettings, args)
     assert settings.progress is False and settings.dtype == "float16" and settings.batch_size == 8
+    assert settings.receiver == ReceiverConfig(timeout=600.0)  # a longer deadline than a prefill's
+
+
+def test_the_precompute_flags_build_the_receivers_config_with_its_credentials(monkeypatch, tmp_path):
+    clear_env(monkeypatch, "encoder-precompute")
+    token = tmp_path / "token"
+    token.write_text("t0ken\n")
+    flags = ["images/", "--out", "/cache", "--encoder-url", "grpcs://a:1", "--placement", "affinity"]
+    flags += ["--encode-timeout", "30", "--auth-token-file", str(token)]
+    settings = precompute.settings_from_args(precompute.build_parser().parse_args(flags))
+    assert settings.receiver == ReceiverConfig(timeout=30.0, placement="affinity", auth_token="t0ken")
 
 
 def test_the_gateway_flags_build_its_config_with_the_configs_own_defaults(monkeypatch):
