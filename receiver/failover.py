@@ -23,7 +23,7 @@ from .health import HealthTracker
 from .held_images import DIGESTS
 from .item_cache import ItemCache
 from .metrics import ReceiverMetrics
-from .affinity import PlacementMemory, content_key
+from .affinity import content_key
 from .load import FleetLoad
 from .placement import Affinity, RequestPlacement
 from .result import ItemResult
@@ -47,9 +47,8 @@ class Fleet:
     rng: random.Random  # the random sharding's
     jitter: random.Random  # back-off jitter
     placement: str = "random"  # or "affinity" (receiver.affinity)
-    balance: float = DEFAULT_BALANCE  # affinity's load bound: x the soonest an item could finish
+    balance: float = DEFAULT_BALANCE  # affinity's load bound: x the fleet's mean queued work
     load: FleetLoad = field(default_factory=FleetLoad)  # the encoders' reported load and what was sent since
-    memory: PlacementMemory = field(default_factory=PlacementMemory)  # where affinity sent each key lately
 
     @classmethod
     def connect(
@@ -136,7 +135,7 @@ async def encode_with_failover(
     request_id, deadline, results, lease = job.request_id, job.deadline, job.results, job.lease
     by_content = None
     if fleet.placement == "affinity":
-        by_content = Affinity(keys, fleet.balance, fleet.load, fleet.memory)
+        by_content = Affinity(keys, fleet.balance, fleet.load)
     placement = RequestPlacement(
         request_id, sources, deadline, fleet.policy,
         num_items_assigned=job.num_items_assigned, jitter=fleet.jitter, affinity=by_content,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need into .venv, the engines into .venv-engines, SGLang's
-# whole server into .venv-sglang and Debian's prometheus (the autoscaling tests), then runs the suite,
+# whole server into .venv-sglang, Debian's prometheus (the autoscaling tests) and redis-server (the
+# fleet-wide embedding store's tests), then runs the suite,
 # engine tests included. Extra arguments go to pytest
 # (e.g. scripts/test.sh -k sharding; a quick local run skips the engine tests with
 # scripts/test.sh -m "not engine").
@@ -13,6 +14,7 @@ cd "$(dirname "$0")/.."
 ./scripts/setup_engines.sh
 ./scripts/setup_sglang.sh
 ./scripts/setup_prometheus.sh
+./scripts/setup_redis.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
