@@ -12,6 +12,7 @@ forward, and after BREAKER_FAILURES failures in a row it is left alone for BREAK
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import struct
 import time
@@ -69,6 +70,11 @@ class StoreConfig:
     max_connections: int = field(default=32, metadata=flag("connections to the store at most"))
 
     def __post_init__(self) -> None:
+        if self.url is not None:
+            if not self.url.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(f"--store-url takes a redis://, rediss:// or unix:// URL, got {self.url!r}")
+            if importlib.util.find_spec("redis") is None:  # an optional extra: only a server with a store needs it
+                raise ValueError("--store-url needs the redis client: pip install 'encoder-service[server,store]'")
         if self.timeout_ms <= 0:
             raise ValueError(f"the store timeout must be positive, got {self.timeout_ms} ms")
         if self.ttl_s < 0:
@@ -189,12 +195,9 @@ class EmbeddingStore:
     """
 
     def __init__(self, config: StoreConfig):
-        try:  # an optional extra: only a server given --store-url needs it
-            from redis.asyncio import BlockingConnectionPool, Redis
-            from redis.asyncio.retry import Retry
-            from redis.backoff import NoBackoff
-        except ImportError:
-            raise RuntimeError("--store-url needs the redis client: pip install 'encoder-service[server,store]'") from None
+        from redis.asyncio import BlockingConnectionPool, Redis  # the store extra, checked by StoreConfig
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
         self.config = config
         self.timeout_s = config.timeout_ms / 1000

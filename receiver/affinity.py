@@ -26,8 +26,8 @@ import xxhash
 from .config import DEFAULT_BALANCE
 
 # Queued items' worth of work an encoder may have beyond `balance` x the fleet's mean before new items
-# pass it over: a request of four items on an idle fleet stays where its content says.
-HEADROOM_ITEMS = 4.0
+# pass it over.
+HEADROOM_ITEMS = 8.0
 
 
 def content_key(data: bytes) -> bytes:
