@@ -41,8 +41,13 @@ class FleetLoad:
         if report.item_s > 0:  # 0: the encoder has run no forward yet, so it knows no cost
             load.item_s = report.item_s
 
-    def item_s(self) -> float:
-        """One item's cost: the mean of what the encoders measured (one model, so one cost), else 0."""
+    def item_s(self, url: str | None = None) -> float:
+        """One item's cost: what `url` measured, else the mean of what the encoders measured (one model,
+        so one cost at rest), else 0. An encoder that is slow measures its own items as slow, so the work
+        sent to it since its last report counts at its own pace."""
+        own = self._encoders.get(url) if url is not None else None
+        if own is not None and own.item_s is not None:
+            return own.item_s
         known = [load.item_s for load in self._encoders.values() if load.item_s is not None]
         return sum(known) / len(known) if known else 0.0
 

@@ -136,16 +136,16 @@ class RequestPlacement:
     def _plan_by_affinity(self, encoders: Sequence[Encoder], pending: list[int]) -> list[tuple[Encoder, list[int]]]:
         spec = self.affinity
         urls = [e.url for e in encoders]
-        item_s = spec.load.item_s()
         plan = affinity.place(
-            [spec.keys[i] for i in pending], urls, balance=spec.balance, queued_s=spec.load.queued(urls), item_s=item_s
-        )
+            [spec.keys[i] for i in pending], urls,
+            balance=spec.balance, queued_s=spec.load.queued(urls), item_s=spec.load.item_s(),
+        )  # fmt: skip
         self.placed["affinity"] += len(pending) - plan.spilled
         self.placed["spilled"] += plan.spilled
         shards: dict[int, list[int]] = {}
         for item, encoder in zip(pending, plan.encoders):
             shards.setdefault(encoder, []).append(item)
-            self.costs[item] = item_s
+            self.costs[item] = spec.load.item_s(urls[encoder])
         return [(encoders[encoder], items) for encoder, items in shards.items()]
 
     def item_arrived(self, result: ItemResult) -> None:

@@ -149,6 +149,7 @@ def test_the_fleet_load_drains_reports_and_counts_what_was_sent_since():
     later = load.sending("grpc://a:1", 0.4)
     assert load.queued_s("grpc://a:1") == pytest.approx(1.5 + 0.4)
     assert load.item_s() == pytest.approx(0.2)  # the encoders' mean
+    assert load.item_s("grpc://b:1") == pytest.approx(0.3) and load.item_s("grpc://c:1") == pytest.approx(0.2)
     load.settled("grpc://a:1", later)
     load.settled("grpc://a:1", early)
     now[0] += 5
