@@ -29,6 +29,7 @@ class RedisServer:
         self.maxmemory = maxmemory
         self.log_path = log_dir / f"redis-{self.port}.log"
         self.process: subprocess.Popen | None = None
+        self.extra_args: list[str] = []  # given after the defaults: they win
 
     @property
     def url(self) -> str:
@@ -38,6 +39,7 @@ class RedisServer:
         argv = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--logfile", str(self.log_path),
+            *self.extra_args,
         ]  # fmt: skip
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

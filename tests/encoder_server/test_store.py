@@ -2,17 +2,20 @@
 an image one encoder computed is a lookup for another, byte for byte; an entry of another model or
 preprocessing never matches; a corrupted, truncated or misplaced entry put there by hand is never
 served; a store killed (SIGKILL) or hanging (SIGSTOP) costs forwards, never an answer, and hits resume
-once it is back; entries are bounded by Redis's maxmemory and expire; the metrics and the flags."""
+once it is back; entries are bounded by Redis's maxmemory and expire; the metrics, the flags and the
+deploy manifest's Redis."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hashlib
+import subprocess
 import time
 
 import pytest
 import torch
+import yaml
 from redis.asyncio import Redis
 
 from encoder_server.cli import build_parser
@@ -20,8 +23,9 @@ from encoder_server.config import ServerConfig
 from encoder_common.env_flags import config_from_args
 from encoder_server.store import KEY_PREFIX, CircuitBreaker, CorruptEntry, StoreConfig, pack, unpack
 from receiver import EncoderReceiver
+from testkit import REPO_ROOT
 from testkit.images import image_bytes
-from testkit.redis_server import running_redis
+from testkit.redis_server import RedisServer, running_redis
 from testkit.servers import running_server, wait_until
 
 from tests.encoder_server.test_metrics import scrape, value
@@ -270,3 +274,32 @@ def test_the_store_is_off_without_its_url_and_its_flags_are_checked(default_mode
         config_from_args(ServerConfig, parser.parse_args([*given, "--cache-bytes", "0"]))
     with pytest.raises(ValueError, match="redis://"):
         StoreConfig(url="http://cache:6379")
+
+
+STORE_MANIFEST = REPO_ROOT / "deploy" / "embedding-store.yaml"
+
+
+def test_the_store_manifest_validates_and_its_redis_is_bounded_and_evicts(tmp_path):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="install the test extra")
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(STORE_MANIFEST.read_text()) if doc}
+    assert set(docs) == {"Deployment", "Service"}
+    for doc in docs.values():
+        kubernetes_validate.validate(doc, kubernetes_validate.utils.latest_version(), strict=True)
+    (redis,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    args = redis["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    # The same arguments, given to a real redis-server: accepted, bounded and evicting.
+    server = RedisServer(tmp_path)
+    server.extra_args = args
+    server.start()
+    try:
+        policy = subprocess.run(
+            ["redis-cli", "-p", str(server.port), "config", "get", "maxmemory*"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        settings = dict(zip(policy[::2], policy[1::2]))
+        assert settings["maxmemory-policy"] == "allkeys-lru" and int(settings["maxmemory"]) > 0
+    finally:
+        server.kill()
+    url = f"redis://{docs['Service']['metadata']['name']}:{docs['Service']['spec']['ports'][0]['port']}/0"
+    assert f"value: {url}" in (REPO_ROOT / "deploy" / "encoder.yaml").read_text()  # the line that turns it on
+    assert StoreConfig(url=url).url == url
