@@ -81,7 +81,7 @@ class ReceiverConfig:
         default=DEFAULT_BALANCE,
         metadata=flag(
             "with --placement affinity: new items pass over an encoder whose queued work is over this times "
-            "the fleet's mean, plus four items' worth"
+            "the fleet's median, plus eight items' worth"
         ),
     )
     cache_bytes: int = field(

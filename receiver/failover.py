@@ -47,7 +47,7 @@ class Fleet:
     rng: random.Random  # the random sharding's
     jitter: random.Random  # back-off jitter
     placement: str = "random"  # or "affinity" (receiver.affinity)
-    balance: float = DEFAULT_BALANCE  # affinity's load bound: x the fleet's mean queued work
+    balance: float = DEFAULT_BALANCE  # affinity's load bound: x the fleet's median queued work
     load: FleetLoad = field(default_factory=FleetLoad)  # the encoders' reported load and what was sent since
 
     @classmethod

@@ -166,7 +166,7 @@ def main() -> None:
     p.add_argument("--no-store", dest="store", action="store_false", help="no fleet with the fleet-wide store")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (closed loop)")
     p.add_argument("--round", type=int, default=100, help="requests per mode in one round")
-    p.add_argument("--balance", type=float, default=1.25, help="affinity's load bound, x the fleet's mean queued work")
+    p.add_argument("--balance", type=float, default=1.25, help="affinity's load bound, x the fleet's median queued work")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--model-dir", default=None, help="where the built-in model goes (default: a temporary dir)"
