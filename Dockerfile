@@ -30,7 +30,8 @@ COPY precompute ./precompute
 COPY receiver ./receiver
 # The server extra: the model stack. The base image's CUDA torch and torchvision (the processors'
 # torchvision backend, which runs preprocessing on the GPU) satisfy those requirements, so pip keeps them.
-RUN pip install --no-cache-dir "./[server]" \
+# The store extra: the client of the fleet-wide embedding store (--store-url).
+RUN pip install --no-cache-dir "./[server,store]" \
     && python -c "import torch, torchvision, protos.encoder_pb2, encoder_server.server, receiver" \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin encoder
 

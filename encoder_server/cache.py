@@ -1,5 +1,6 @@
-"""The embedding cache: an LRU of framed item responses bounded in bytes, keyed by content, single-flight.
-A hit costs no decode, preprocessing, forward or framing: its chunks are the bytes objects first sent."""
+"""The embedding cache: an LRU of framed item responses bounded in bytes, keyed by content, single-flight,
+with the fleet-wide store (encoder_server/store.py) as an optional second tier behind it. A hit costs no
+decode, preprocessing, forward or framing: its chunks are the bytes objects first sent."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .metrics import CacheStats
 from .models import ModelSpec
 from .payload import ItemPayload
 from .profiles import PreprocessProfile
+from .store import EmbeddingStore
 
 KEY_VERSION = b"encoder-cache-v3"  # v2: the preprocessing profile joined the namespace; v3: the backend
 
@@ -52,14 +54,16 @@ class EmbeddingCache:
 
     Used from the server's event loop only (`key` is pure and may run anywhere). A caller that finds
     its key being computed by another call waits for that result instead of computing it again; the
-    computation is cancelled only when every caller waiting for it has gone.
+    computation is cancelled only when every caller waiting for it has gone. With a `store`, a key the
+    LRU lacks is looked up there before it is computed, and what is computed is put there.
     """
 
-    def __init__(self, max_bytes: int, namespace: bytes):
+    def __init__(self, max_bytes: int, namespace: bytes, store: EmbeddingStore | None = None):
         if max_bytes < 1:
             raise ValueError(f"cache size must be positive, got {max_bytes} bytes")
         self.max_bytes = max_bytes
         self.namespace = namespace
+        self.store = store
         self._entries: OrderedDict[bytes, ItemPayload] = OrderedDict()
         self._flights: dict[bytes, _Flight] = {}
         self.bytes = 0
@@ -123,7 +127,8 @@ class EmbeddingCache:
     async def get_or_compute(
         self, key: bytes, compute: Callable[[], Awaitable[ItemPayload]]
     ) -> tuple[ItemPayload, bool]:
-        """The payload for `key` and whether it was a hit; runs `compute` only if no one else is.
+        """The payload for `key` and whether it was a hit (here, in the store, or another call's
+        computation); runs `compute` only if no one else is and the store does not have it.
 
         Errors of a computation reach every caller waiting for it and are not cached.
         """
@@ -133,7 +138,7 @@ class EmbeddingCache:
         flight = self._flights.get(key)
         joined = flight is not None
         if flight is None:
-            flight = _Flight(asyncio.ensure_future(compute()))
+            flight = _Flight(asyncio.ensure_future(self._fill(key, compute)))
             flight.task.add_done_callback(lambda task: self._landed(key, flight, task))
             self._flights[key] = flight
             self.misses += 1
@@ -141,7 +146,8 @@ class EmbeddingCache:
             self.hits += 1
         flight.callers += 1
         try:
-            return await asyncio.shield(flight.task), joined
+            payload, stored = await asyncio.shield(flight.task)
+            return payload, joined or stored
         finally:
             flight.callers -= 1
             if flight.callers == 0 and not flight.task.done():
@@ -150,10 +156,19 @@ class EmbeddingCache:
                 flight.task.cancel()
                 self._forget(key, flight)
 
+    async def _fill(self, key: bytes, compute: Callable[[], Awaitable[ItemPayload]]) -> tuple[ItemPayload, bool]:
+        """The payload for a key the LRU lacks, and whether the store had it."""
+        if self.store is not None and (payload := await self.store.get(key)) is not None:
+            return payload, True
+        payload = await compute()
+        if self.store is not None:
+            self.store.put_soon(key, payload)
+        return payload, False
+
     def _landed(self, key: bytes, flight: _Flight, task: asyncio.Task) -> None:
         self._forget(key, flight)
         if not task.cancelled() and task.exception() is None:
-            self.put(key, task.result())
+            self.put(key, task.result()[0])
 
     def _forget(self, key: bytes, flight: _Flight) -> None:
         if self._flights.get(key) is flight:

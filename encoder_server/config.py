@@ -16,6 +16,7 @@ from .images import DEFAULT_MAX_ASPECT_RATIO
 from .leases import LeaseConfig
 from .profiles import DEFAULT_PROFILE, PROFILES
 from .sglang.config import SglangConfig
+from .store import StoreConfig
 from .streams import StreamLimits
 from .tls import TlsConfig
 from .transports.shm import ShmConfig
@@ -99,6 +100,7 @@ class ServerConfig:
     )
     auth_protect_health: bool = field(default=False, metadata=flag("require the token on health probes too"))
     cache_bytes: int = field(default=DEFAULT_CACHE_BYTES, metadata=flag("embedding cache size in bytes (0: no cache)"))
+    store: StoreConfig = field(default_factory=StoreConfig, metadata=section(prefix="store-"))  # the cache's second tier
     leases: LeaseConfig = field(default_factory=LeaseConfig, metadata=section(prefix="lease-"))  # items kept for Fetch
     # Payload bytes held for Encode streams in progress, beside the cache's own budget.
     streams: StreamLimits = field(default_factory=StreamLimits, metadata=section(prefix="stream-"))
@@ -123,6 +125,8 @@ class ServerConfig:
     sglang: SglangConfig = field(default_factory=SglangConfig, metadata=section(prefix="sglang-"))  # docs/sglang.md
 
     def __post_init__(self) -> None:
+        if self.store.url and not self.cache_bytes:
+            raise ValueError("the fleet-wide store is the embedding cache's second tier: --store-url needs --cache-bytes above 0")
         if isinstance(self.dtype, str):
             from protos.wire import DTYPE_NAMES
 

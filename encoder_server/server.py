@@ -31,6 +31,7 @@ from .pipeline import ItemPipeline
 from .profiles import PROFILES, SGLANG_PROFILE
 from .servicer import EncoderServicer, method_handlers, model_info
 from .sglang import servicer as sglang_servicer
+from .store import EmbeddingStore
 from .streams import StreamBudget
 from .transports import ServerTransports
 
@@ -73,6 +74,7 @@ class EncoderServer:
         self._stopping = False
         self.transports = ServerTransports(config)  # besides the stream, which every call has
         self.cache: EmbeddingCache | None = None
+        self.store: EmbeddingStore | None = None
         self.sglang: sglang_servicer.SglangEncoderServicer | None = None
         self.leases: LeaseStore | None = None
         self.streams = StreamBudget(config.streams)
@@ -89,6 +91,10 @@ class EncoderServer:
         random_weights = await self._load_model()
         await self._start_forward_worker()
         await self.transports.start()  # shared memory also removes what dead encoder processes left in /dev/shm
+        if self.config.store.url:
+            self.store = EmbeddingStore(self.config.store)
+            self.metrics.registry.register(self.store.collector())
+            await self.store.check()  # a store that does not answer is only a warning: it costs forwards
         self.streams.start()
         self._server = self._build_grpc_server(interceptors, model_info(self.encoder.spec, self.config, random_weights))
         await self._server.start()
@@ -132,7 +138,8 @@ class EncoderServer:
         config = self.config
         self._pool = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="preprocess")
         if config.cache_bytes:
-            self.cache = EmbeddingCache(config.cache_bytes, cache_namespace(self.encoder.spec, PROFILES[config.preprocess_profile]))
+            namespace = cache_namespace(self.encoder.spec, PROFILES[config.preprocess_profile])
+            self.cache = EmbeddingCache(config.cache_bytes, namespace, self.store)
             self.metrics.watch_cache(self.cache.stats)
         for transport in self.transports:
             self.metrics.watch_transport(transport.collector())
@@ -243,6 +250,8 @@ class EncoderServer:
             await asyncio.get_running_loop().run_in_executor(None, self._batcher.stop)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.store is not None:
+            await self.store.close()
         self.metrics.close()
 
     async def wait_for_termination(self) -> None:

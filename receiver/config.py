@@ -84,8 +84,8 @@ class ReceiverConfig:
     balance: float = field(
         default=DEFAULT_BALANCE,
         metadata=flag(
-            "with --placement affinity: an item passes over its first-ranked encoder only where it would finish "
-            "later than this times the soonest it could finish on any encoder"
+            "with --placement affinity: new items pass over an encoder whose queued work is over this times "
+            "the fleet's median, plus eight items' worth"
         ),
     )
     cache_bytes: int = field(

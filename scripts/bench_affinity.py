@@ -12,6 +12,10 @@ load ("affinity"), each scenario with its baseline in the same run:
   encoder is made slow (stopped 3/4 of the time with SIGSTOP/SIGCONT): its share of new work, before
   and after.
 - hot: one image in half the requests, the others new: throughput and forwards.
+- shared: 3 and 8 receivers (prefill nodes) at once over 4 encoders, one Zipf workload dealt among them:
+  forwards against distinct images, on a fleet without the fleet-wide store and on one with it (a
+  redis-server of its own); then on each, one encoder killed and restarted with an empty cache half-way
+  through a workload: forwards after the restart against the images new to the second half.
 
 Modes run interleaved in rounds (the order rotating), so the machine's noise falls on all alike; every
 phase of a fleet gets images of its own, so no phase sees another's caches. Compare modes as ratios.
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 from bench_affinity_scenarios.fleet_changes import membership, slow_encoder
 from bench_affinity_scenarios.modes import MODES, ModeResult, run_modes
+from bench_affinity_scenarios.shared_fleet import receivers, restart
 from bench_affinity_scenarios.workloads import (
     Images,
     hot_workload,
@@ -44,6 +49,7 @@ from bench_affinity_scenarios.workloads import (
 from testkit.bench_harness import print_json
 from testkit.default_model import ensure_default_model
 from testkit.launcher import launch_server, launch_servers
+from testkit.redis_server import running_redis
 
 FLAGS = ("--dtype", "float32")
 
@@ -63,6 +69,44 @@ async def latency(fleets, pair, workload_name: str, load: str, rate, images_for,
         args.concurrency = saved
 
 
+async def compare_modes(fleets, images_for, args, report, out: dict) -> None:
+    """Random against affinity placement (and the receiver cache) on the Zipf, no-repeat, latency and
+    hot-image workloads."""
+    results = out["results"]
+    pair = ("random", "affinity")
+    zipf = zipf_workload(args.requests, args.images, args.zipf, args.seed)
+    report(await run_modes(fleets, MODES, zipf, images_for(args.images), args, "zipf"))
+    capacity = {"zipf": results[0].throughput_rps}
+    if args.no_repeat_requests:
+        fresh = no_repeat_workload(args.no_repeat_requests, args.seed)
+        report(await run_modes(fleets, pair, fresh, images_for(sum(map(len, fresh))), args, "no-repeat", swap=True))
+        capacity["no-repeat"] = results[-2].throughput_rps
+    out["capacity_rps"] = capacity  # random placement's, closed loop
+    for name, rate_of in (("light", None), ("80%", 0.8)):
+        for workload_name, workload_capacity in capacity.items():
+            rate = None if rate_of is None else rate_of * workload_capacity
+            report(await latency(fleets, pair, workload_name, name, rate, images_for, args))
+    hot = hot_workload(args.hot_requests, args.seed + 3)
+    report(await run_modes(fleets, pair, hot, images_for(sum(map(len, hot)) + 1), args, "hot image"))
+
+
+async def shared(fleet, model_dir, stack, log_dir, images_for, args, out: dict) -> None:
+    """Several receivers sharing one fleet, without and with the fleet-wide store; an encoder restarted."""
+    fleets = [("no store", fleet, FLAGS)]
+    if args.store:
+        redis = stack.enter_context(running_redis(log_dir))
+        flags = (*FLAGS, "--store-url", redis.url)
+        fleets.append(("store", stack.enter_context(launch_servers(model_dir, args.encoders, *flags, log_dir=log_dir)), flags))
+    out["shared"], out["restart"] = [], []
+    for count in args.receivers:
+        for label, processes, _ in fleets:
+            out["shared"].append(await receivers([p.url for p in processes], count, images_for, args, label))
+            print_json(out["shared"][-1], file=sys.stderr)
+    for label, processes, flags in fleets:
+        out["restart"].append(await restart(processes, flags, model_dir, images_for, args, label))
+        print_json(out["restart"][-1], file=sys.stderr)
+
+
 async def bench(args: argparse.Namespace) -> dict:
     model_dir = ensure_default_model(args.model_dir or tempfile.mkdtemp(prefix="bench-affinity-"))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-affinity-logs-"))
@@ -78,27 +122,12 @@ async def bench(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:
         fleets = {
             mode: stack.enter_context(launch_servers(model_dir, args.encoders, *FLAGS, log_dir=log_dir))
-            for mode in MODES
+            for mode in (MODES if args.modes else ["affinity"])
         }
-        pair = ("random", "affinity")
-        zipf = zipf_workload(args.requests, args.images, args.zipf, args.seed)
-        report(await run_modes(fleets, MODES, zipf, images_for(args.images), args, "zipf"))
-        capacity = {"zipf": results[0].throughput_rps}
-        if args.no_repeat_requests:
-            fresh = no_repeat_workload(args.no_repeat_requests, args.seed)
-            report(
-                await run_modes(
-                    fleets, pair, fresh, images_for(sum(map(len, fresh))), args, "no-repeat", swap=True
-                )
-            )
-            capacity["no-repeat"] = results[-2].throughput_rps
-        out["capacity_rps"] = capacity  # random placement's, closed loop
-        for name, rate_of in (("light", None), ("80%", 0.8)):
-            for workload_name, workload_capacity in capacity.items():
-                rate = None if rate_of is None else rate_of * workload_capacity
-                report(await latency(fleets, pair, workload_name, name, rate, images_for, args))
-        hot = hot_workload(args.hot_requests, args.seed + 3)
-        report(await run_modes(fleets, pair, hot, images_for(sum(map(len, hot)) + 1), args, "hot image"))
+        if args.modes:
+            await compare_modes(fleets, images_for, args, report, out)
+        if args.receivers:
+            await shared(fleets["affinity"], model_dir, stack, log_dir, images_for, args, out)
         if args.scenarios:
             extra = stack.enter_context(launch_server(model_dir, *FLAGS, log_dir=log_dir))
             out["membership"] = await membership(fleets["affinity"], extra, images_for, args)
@@ -127,9 +156,17 @@ def main() -> None:
     p.add_argument("--membership-requests", type=int, default=600, help="requests of each membership run")
     p.add_argument("--slow-requests", type=int, default=400, help="requests of each slow-encoder phase")
     p.add_argument("--no-scenarios", dest="scenarios", action="store_false", help="skip membership and slow")
+    p.add_argument("--no-modes", dest="modes", action="store_false", help="skip the random / affinity comparisons")
+    p.add_argument(
+        "--receivers", type=lambda text: [int(n) for n in text.split(",") if n], default=[3, 8],
+        help="receiver counts of the shared-fleet scenario, comma-separated (empty: skip it)",
+    )  # fmt: skip
+    p.add_argument("--shared-requests", type=int, default=1000, help="requests of each shared-fleet run")
+    p.add_argument("--receiver-concurrency", type=int, default=4, help="requests in flight per receiver there")
+    p.add_argument("--no-store", dest="store", action="store_false", help="no fleet with the fleet-wide store")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (closed loop)")
     p.add_argument("--round", type=int, default=100, help="requests per mode in one round")
-    p.add_argument("--balance", type=float, default=1.25, help="affinity's load bound, x the soonest finish")
+    p.add_argument("--balance", type=float, default=1.25, help="affinity's load bound, x the fleet's median queued work")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--model-dir", default=None, help="where the built-in model goes (default: a temporary dir)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command. Without arguments (what CI runs): installs .venv, the engine venvs (.venv-engines,
-# .venv-sglang, .venv-engines-prev) and the Debian services the tests run (Prometheus), runs the whole
+# .venv-sglang, .venv-engines-prev) and the Debian services the tests run (Prometheus, Redis), runs the whole
 # suite, then the connector's engine tests again on the previous vLLM release.
 #   scripts/test.sh --quick [pytest args]   installs .venv only and runs every test that needs neither an
 #                                           engine nor a Debian service (-m "not engine and not services")
@@ -15,6 +15,7 @@ fi
 ./scripts/setup_engines.sh
 ./scripts/setup_sglang.sh
 ./scripts/setup_prometheus.sh
+./scripts/setup_redis.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi

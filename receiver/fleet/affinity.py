@@ -1,18 +1,10 @@
-"""Placement by content and load: each item goes to the encoder that ranks first for its content key
-under rendezvous (highest random weight) hashing, unless that encoder is over a load bound; pure
-functions, no I/O.
-
-Rendezvous hashing scores every (key, encoder) pair and ranks encoders by score, so when an encoder
-joins or leaves only the keys it ranks first for move. The load bound is on work, in seconds, as the
-encoders measure it (`receiver.fleet.load`): a new item passes over an encoder where it would finish later
-than `balance` x the soonest it could finish on any encoder, and goes to the next one of its own
-ranking within that bound. An item this receiver sent before goes back where it went: that encoder
-holds its embedding, which costs no forward.
-"""
+"""Placement by content and load, the same in every receiver: each item goes to the encoder that ranks
+first for its content key under rendezvous hashing, unless that encoder's reported queue is over the load
+bound (then to the next of the key's own ranking); pure functions, no I/O."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,8 +12,9 @@ import xxhash
 
 from ..config import DEFAULT_BALANCE
 
-# Keys whose encoders the receiver remembers: ~100 bytes each, so about 10 MB at most.
-DEFAULT_MEMORY_KEYS = 100_000
+# Queued items' worth of work an encoder may have beyond `balance` x the fleet's median before new items
+# pass it over.
+HEADROOM_ITEMS = 8.0
 
 
 def content_key(data: bytes) -> bytes:
@@ -42,32 +35,26 @@ def ranking(key: bytes, urls: Sequence[str]) -> list[int]:
     return sorted(range(len(urls)), key=lambda i: (-scores[i], urls[i]))
 
 
-class PlacementMemory:
-    """The encoders each key was sent to lately (an LRU of keys): an item sent again goes to one that
-    already encoded it, so a spill for load costs a forward only once."""
-
-    def __init__(self, max_keys: int = DEFAULT_MEMORY_KEYS):
-        self.max_keys = max_keys
-        self._placed: OrderedDict[bytes, set[str]] = OrderedDict()
-
-    def holders(self, key: bytes) -> set[str]:
-        return self._placed.get(key, set())
-
-    def sent(self, key: bytes, url: str) -> None:
-        self._placed.setdefault(key, set()).add(url)
-        self._placed.move_to_end(key)
-        if len(self._placed) > self.max_keys:
-            self._placed.popitem(last=False)
+# The bound is on work, in seconds, as the encoders measure it (receiver.fleet.load): an encoder where a new
+# item would finish (its queued seconds plus one item at its own pace) later than `balance` x the fleet's
+# median plus HEADROOM_ITEMS items' worth is passed over. Coarse on purpose: the queues' ups and downs under
+# an even load, and the small differences between receivers' views of the load, stay within it, so keys
+# move only off an encoder that falls behind (slow, saturated, stopped). Medians, so that the encoder
+# falling behind does not widen the bound it is held to.
+def load_bound(finish_s: Sequence[float], item_s: float, balance: float = DEFAULT_BALANCE) -> float:
+    """The latest a new item may finish on an encoder that still takes new items: `balance` x the fleet's
+    median, plus HEADROOM_ITEMS items of `item_s` seconds. The least loaded encoder is always within it."""
+    if balance < 1.0:
+        raise ValueError(f"balance must be at least 1.0, got {balance}")
+    return balance * statistics.median(finish_s) + HEADROOM_ITEMS * item_s
 
 
 @dataclass(frozen=True)
 class AffinityPlan:
-    """Where each item goes (a position in the encoder list, per item), the forward-seconds each new item
-    is expected to cost there (0 for an item sent there before), and how many items are not on their
-    first-ranked encoder."""
+    """Where each item goes (a position in the encoder list, per item), and how many items are not on
+    their first-ranked encoder."""
 
     encoders: list[int]
-    costs: list[float]
     spilled: int
 
 
@@ -76,42 +63,28 @@ def place(
     urls: Sequence[str],
     *,
     balance: float = DEFAULT_BALANCE,
-    queued_s: Sequence[float] | None = None,
+    finish_s: Sequence[float] | None = None,
     item_s: float = 0.0,
-    memory: PlacementMemory | None = None,
 ) -> AffinityPlan:
-    """Places items (by content key) on `urls`, given each encoder's queued seconds of work (0 when
-    unknown) and the seconds one item costs (the fleet's mean; 0 when unknown: then every new item goes
-    to its first choice). One cost for all encoders: at rest they are alike, and a slow encoder shows
-    in its queued seconds, which it measures at its own speed.
+    """Places items (by content key) on `urls`, given the seconds a new item would take to finish on each
+    encoder (its queued work plus one item at its own pace; 0 when unknown) and the seconds one item
+    costs at the fleet's median pace (0 when unknown).
 
-    An item `memory` knows goes to the best ranked encoder it was sent to: a cache hit there. A new item
-    goes to the first encoder of its ranking where it would finish (queued seconds + its cost, counting
-    the items placed before it in this call) within `balance` x the soonest it could finish anywhere.
-    There is no cap on how many items of one request share an encoder. The memory learns this plan.
+    Each item goes to the first encoder of its ranking where it would finish within `load_bound`.
+    The items of one call do not count against each other: a request's images that rank one encoder
+    first go there together (one batch), as they would in any other request, so an image lands on the
+    same encoder whatever it is sent with, and the same image twice in a request goes to one encoder.
     """
     if not urls:
         raise ValueError("no encoders to place items on")
-    if balance < 1.0:
-        raise ValueError(f"balance must be at least 1.0, got {balance}")
-    work = list(queued_s) if queued_s is not None else [0.0] * len(urls)
+    work = list(finish_s) if finish_s is not None else [0.0] * len(urls)
+    bound = load_bound(work, item_s, balance) * (1 + 1e-9)
+    within = [seconds <= bound for seconds in work]
     chosen: list[int] = []
-    costs: list[float] = []
     spilled = 0
     for key in keys:
         order = ranking(key, urls)
-        holders = memory.holders(key) if memory is not None else set()
-        held = [e for e in order if urls[e] in holders]
-        if held:
-            encoder, seconds = held[0], 0.0
-        else:
-            bound = balance * (min(work) + item_s) * (1 + 1e-9)  # the soonest one is always within it
-            encoder = next(e for e in order if work[e] + item_s <= bound)
-            seconds = item_s
-            work[encoder] += seconds
+        encoder = next(e for e in order if within[e])
         chosen.append(encoder)
-        costs.append(seconds)
         spilled += encoder != order[0]
-        if memory is not None:  # at once: the same image twice in a request goes to one encoder
-            memory.sent(key, urls[encoder])
-    return AffinityPlan(chosen, costs, spilled)
+    return AffinityPlan(chosen, spilled)

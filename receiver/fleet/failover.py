@@ -21,7 +21,7 @@ from ..embeddings.result import ItemResult
 from ..errors import ShardError
 from ..metrics import ReceiverMetrics
 from ..transports import ReceiverTransport
-from .affinity import PlacementMemory, content_key
+from .affinity import content_key
 from .channels import EncoderEndpoint
 from .discovery import EncoderDiscovery, EndpointPool, Resolver
 from .health import HealthTracker
@@ -47,9 +47,8 @@ class Fleet:
     rng: random.Random  # the random sharding's
     jitter: random.Random  # back-off jitter
     placement: str = "random"  # or "affinity" (receiver.fleet.affinity)
-    balance: float = DEFAULT_BALANCE  # affinity's load bound: x the soonest an item could finish
+    balance: float = DEFAULT_BALANCE  # affinity's load bound: x the fleet's median queued work
     load: FleetLoad = field(default_factory=FleetLoad)  # the encoders' reported load and what was sent since
-    memory: PlacementMemory = field(default_factory=PlacementMemory)  # where affinity sent each key lately
 
     @classmethod
     def connect(
@@ -145,7 +144,7 @@ class FailoverRun:
         self.fleet, self.job, self.sources, self.keys = fleet, job, sources, keys
         by_content = None
         if fleet.placement == "affinity":
-            by_content = Affinity(keys, fleet.balance, fleet.load, fleet.memory)
+            by_content = Affinity(keys, fleet.balance, fleet.load)
         self.placement = RequestPlacement(
             job.request_id, sources, job.deadline, fleet.policy,
             num_items_assigned=job.num_items_assigned, jitter=fleet.jitter, affinity=by_content,

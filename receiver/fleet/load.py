@@ -6,6 +6,7 @@ come back yet. Every receiver hears the same reports, so all of them see the fle
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,10 +42,15 @@ class FleetLoad:
         if report.item_s > 0:  # 0: the encoder has run no forward yet, so it knows no cost
             load.item_s = report.item_s
 
-    def item_s(self) -> float:
-        """One item's cost: the mean of what the encoders measured (one model, so one cost), else 0."""
+    def item_s(self, url: str | None = None) -> float:
+        """One item's cost: what `url` measured, else the median of what the encoders measured (one
+        model, so one cost at rest, which a slow encoder does not shift), else 0. An encoder that is slow
+        measures its own items as slow, so the work sent to it since its last report counts at its pace."""
+        own = self._encoders.get(url) if url is not None else None
+        if own is not None and own.item_s is not None:
+            return own.item_s
         known = [load.item_s for load in self._encoders.values() if load.item_s is not None]
-        return sum(known) / len(known) if known else 0.0
+        return statistics.median(known) if known else 0.0
 
     def queued_s(self, url: str) -> float:
         """Seconds of work `url` has queued, as far as this receiver can tell now."""
@@ -53,9 +59,10 @@ class FleetLoad:
         drained = max(0.0, load.reported_s - (now - load.reported_at))
         return drained + sum(seconds for sent_at, seconds in load.sent.values() if sent_at > load.reported_at)
 
-    def queued(self, urls: Sequence[str]) -> list[float]:
-        """Queued seconds, per URL of `urls`."""
-        return [self.queued_s(url) for url in urls]
+    def finish(self, urls: Sequence[str]) -> list[float]:
+        """Per URL of `urls`: the seconds a new item would take there, its queue and then the item itself at
+        that encoder's own pace."""
+        return [self.queued_s(url) + self.item_s(url) for url in urls]
 
     def sending(self, url: str, seconds: float) -> int:
         """Counts a shard of `seconds` of work sent to `url` until `settled(url, shard)`; returns its id."""

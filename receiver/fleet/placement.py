@@ -41,12 +41,11 @@ Encoder = TypeVar("Encoder", bound=HasUrl)
 @dataclass(frozen=True)
 class Affinity:
     """Placement by content and load for one request (see `receiver.fleet.affinity`): each item's content key,
-    the balance factor, the encoders' load (shared, read at each plan) and where keys went before."""
+    the balance factor and the encoders' load (shared, read at each plan)."""
 
     keys: Mapping[int, bytes]
     balance: float
     load: FleetLoad
-    memory: affinity.PlacementMemory | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ class RequestPlacement:
         self._jitter = jitter or random.Random()
         self.affinity = affinity
         # Items placed: "affinity" (on their first-ranked encoder), "spilled" (another, for the load
-        # bound, now or when first sent), "re_placed" (again, after their encoder failed).
+        # bound), "re_placed" (again, after their encoder failed).
         self.placed: Counter[str] = Counter()
         self.costs: dict[int, float] = {}  # under affinity: each item's expected forward-seconds where it went
 
@@ -139,14 +138,14 @@ class RequestPlacement:
         urls = [e.url for e in encoders]
         plan = affinity.place(
             [spec.keys[i] for i in pending], urls,
-            balance=spec.balance, queued_s=spec.load.queued(urls), item_s=spec.load.item_s(), memory=spec.memory,
+            balance=spec.balance, finish_s=spec.load.finish(urls), item_s=spec.load.item_s(),
         )  # fmt: skip
         self.placed["affinity"] += len(pending) - plan.spilled
         self.placed["spilled"] += plan.spilled
         shards: dict[int, list[int]] = {}
-        for item, encoder, cost in zip(pending, plan.encoders, plan.costs):
+        for item, encoder in zip(pending, plan.encoders):
             shards.setdefault(encoder, []).append(item)
-            self.costs[item] = cost
+            self.costs[item] = spec.load.item_s(urls[encoder])
         return [(encoders[encoder], items) for encoder, items in shards.items()]
 
     def item_arrived(self, result: ItemResult) -> None:

@@ -1,5 +1,6 @@
 """The scenarios that change a fleet while it serves: one of five encoders leaving between two runs of
-the same workload (`membership`), and one of four made slow under two receivers (`slow_encoder`)."""
+the same workload, the second by a fresh receiver (`membership`), and one of four made slow under two
+receivers (`slow_encoder`)."""
 
 from __future__ import annotations
 
@@ -26,17 +27,23 @@ class Dns:
 
 
 async def membership(fleet, extra, images_for, args) -> dict:
-    """One of 5 encoders leaves between two runs of the same Zipf workload (8 in flight)."""
+    """One of 5 encoders leaves between two runs of the same Zipf workload (8 in flight); the second run
+    is a fresh receiver's, which knows nothing of where the first one sent what."""
     dns = Dns([p.port for p in fleet] + [extra.port])
     workload = zipf_workload(args.membership_requests, args.images, args.zipf, args.seed + 7)
     images = images_for(args.images)
-    run = ModeRun("affinity", [["dns:///encoders.bench:50051"]], args.balance, resolver=dns, refresh_s=0.0)
+
+    def receiver() -> ModeRun:
+        return ModeRun("affinity", [["dns:///encoders.bench:50051"]], args.balance, resolver=dns, refresh_s=0.0)
+
+    first = run = receiver()
     try:
         await run.closed_loop(list(enumerate(workload)), images, args.concurrency)
         before = {image: set(urls) for image, urls in run.served.items()}
         gone = extra.url
         dns.ports = dns.ports[:4]
-        run.served.clear()
+        await first.close()
+        run = receiver()
         await run.closed_loop(list(enumerate(workload)), images, args.concurrency)
         lived_elsewhere = [image for image, urls in before.items() if gone not in urls]
         moved = [image for image in lived_elsewhere if not run.served[image] <= before[image]]

@@ -1,5 +1,6 @@
 """Affinity placement as encoders come and go, on real servers behind a DNS name the test controls: one
-of five leaves and only its items move; one is killed mid-request and every result is still correct."""
+of five leaves and only its items move, for a fresh receiver too; one is killed mid-request and every
+result is still correct."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ async def test_one_of_five_leaving_moves_only_its_items_and_a_killed_one_loses_n
             assert url == urls[ranking(content_key(data), urls)[0]]
 
         dns.ports = dns.ports[:4]  # the fifth leaves the name (scaled down, or failed over)
-        after = await places(rx)
+        async with EncoderReceiver([URL], resolver=dns, refresh_s=0.0, placement="affinity") as fresh:
+            after = await places(fresh)  # a new prefill node: it places every image where rx did
         stayed = [data for data, url in before.items() if url != gone_url]
         moved = [data for data in stayed if after[data] != before[data]]
         assert len(moved) <= 0.02 * len(stayed)
