@@ -88,7 +88,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             if lease is not None and self.leases is None:
                 raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
             async with self.streams.call(context.peer()) as charge:
-                transport = self.transports.open_call(request)
+                transport = self.transports.open_call(request, context.peer())
                 sender = ItemSender(context, charge, record, transport, leases=self.leases, lease=lease)
                 await sender.send_all(self.pipeline.payloads(request.items, charge, call.images))
 
@@ -100,7 +100,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         payloads = [self.leases.get(key) for key in request.keys]
         with self.metrics.record("fetch", len(payloads), context) as record:
             async with self.streams.call(context.peer()) as charge:
-                sender = ItemSender(context, charge, record, self.transports.open_call(request))
+                sender = ItemSender(context, charge, record, self.transports.open_call(request, context.peer()))
                 await sender.send_all(leased_payloads(payloads, charge))
         for key in request.keys:
             self.leases.fetched(key)

@@ -1,0 +1,129 @@
+"""The Mooncake transfer engine as both sides run it (the `mooncake` extra,
+`mooncake-transfer-engine-non-cuda`): one engine per process side, started on one protocol with the
+P2P handshake (no metadata server), its session name, its registered memory, and one payload written
+as one batch of pieces. Nothing here imports the engine until one is started."""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from encoder_common.env_flags import flag
+from protos.mooncake import PROTOCOLS
+
+# The engine logs through glog to stderr; its INFO lines (one per connection) would drown ours.
+_LOG_LEVEL = "ERROR"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """How a transfer engine starts; the server's and the receiver's sections both carry these."""
+
+    protocol: str = field(
+        default="tcp",
+        metadata=flag(
+            "transfer engine protocol: tcp, or rdma where the hosts have RDMA NICs", choices=PROTOCOLS
+        ),
+    )
+    devices: str = field(
+        default="",
+        metadata=flag(
+            "RDMA devices the engine uses, comma-separated (e.g. mlx5_0,mlx5_1); empty: every one it finds"
+        ),
+    )
+    host: str = field(
+        default="",
+        metadata=flag(
+            "the address peers reach this engine at (empty: found from the peer's address or the host name)"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+
+
+def unavailable() -> str | None:
+    """None when the engine's module imports here, else why not (no package, no libibverbs)."""
+    os.environ.setdefault("MC_LOG_LEVEL", _LOG_LEVEL)
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the OSError of a missing shared library
+        return f"{exc.__class__.__name__}: {exc}"
+    return None
+
+
+def address_towards(host: str) -> str:
+    """This host's address on the route to `host` (no packet is sent): where that peer reaches us."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0])
+    if address.is_loopback:
+        return str(address)
+    with socket.socket(
+        socket.AF_INET6 if address.version == 6 else socket.AF_INET, socket.SOCK_DGRAM
+    ) as probe:
+        probe.connect((str(address), 9))
+        return probe.getsockname()[0]
+
+
+def split_session(session: str) -> tuple[str, int]:
+    """("host", port) of a session name "host:port" ("[v6]:port" for IPv6); ValueError otherwise."""
+    host, sep, port = session.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not a session name (host:port): {session!r}")
+    return host, int(port)
+
+
+class EngineError(RuntimeError):
+    """The transfer engine did not start, or refused to register memory."""
+
+
+class Engine:
+    """One started transfer engine. Blocking calls release the GIL; `write` is called from worker threads."""
+
+    def __init__(self, settings: EngineSettings, host: str):
+        reason = unavailable()
+        if reason is not None:
+            raise EngineError(f"the Mooncake transfer engine does not import: {reason}")
+        from mooncake.engine import TransferEngine
+
+        self.protocol = settings.protocol
+        self._engine = TransferEngine()
+        if self._engine.initialize(host, "P2PHANDSHAKE", settings.protocol, settings.devices) != 0:
+            raise EngineError(f"the transfer engine did not start on {host} ({settings.protocol})")
+        port = self._engine.get_rpc_port()
+        self.session = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def register(self, address: int, nbytes: int) -> None:
+        if self._engine.register_memory(address, nbytes) != 0:
+            raise EngineError(f"the transfer engine refused to register {nbytes} bytes at {address:#x}")
+
+    def write(self, session: str, sources: Sequence[tuple[int, int]], destination: int) -> bool:
+        """Writes the pieces (address, length) back to back from `destination` in the memory `session`
+        registered; True once every byte is there, False when the write failed."""
+        if not sources:
+            return True
+        addresses, lengths = [a for a, _ in sources], [n for _, n in sources]
+        offsets = list(itertools.accumulate(lengths[:-1], initial=destination))
+        return self._engine.batch_transfer_sync_write(session, addresses, offsets, lengths) == 0
+
+    def close(self, *keep_alive: object) -> None:
+        """Stops the engine on a thread of its own (it takes about a second), then lets `keep_alive` go:
+        memory that writes in flight may still land in lives until the engine that receives them is gone."""
+        if self._engine is not None:
+            held = [self._engine, keep_alive]
+            self._engine = None
+            threading.Thread(target=_stop, args=(held,), name="mooncake-stop", daemon=True).start()
+
+
+def _stop(held: list) -> None:
+    held[0] = None  # the last reference: the engine's destructor joins its threads and closes its sockets
+    held.clear()  # then the memory
