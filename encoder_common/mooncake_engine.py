@@ -6,10 +6,10 @@ as one batch of pieces. Nothing here imports the engine until one is started."""
 from __future__ import annotations
 
 import ipaddress
-import itertools
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +18,11 @@ from protos.mooncake import PROTOCOLS
 
 # The engine logs through glog to stderr; its INFO lines (one per connection) would drown ours.
 _LOG_LEVEL = "ERROR"
+# How long a write thread sleeps between looks at its write's progress: a small part of a write's
+# milliseconds, and few wake-ups.
+_POLL_S = 100e-6
+# What `transfer_submit_write` returns for a write it could not submit (-1 as a batch id).
+_SUBMIT_FAILED = (-1, (1 << 64) - 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,14 +111,33 @@ class Engine:
         if self._engine.register_memory(address, nbytes) != 0:
             raise EngineError(f"the transfer engine refused to register {nbytes} bytes at {address:#x}")
 
-    def write(self, session: str, sources: Sequence[tuple[int, int]], destination: int) -> bool:
+    def write(
+        self, session: str, sources: Sequence[tuple[int, int]], destination: int, timeout_s: float
+    ) -> bool:
         """Writes the pieces (address, length) back to back from `destination` in the memory `session`
-        registered; True once every byte is there, False when the write failed."""
-        if not sources:
-            return True
-        addresses, lengths = [a for a, _ in sources], [n for _, n in sources]
-        offsets = list(itertools.accumulate(lengths[:-1], initial=destination))
-        return self._engine.batch_transfer_sync_write(session, addresses, offsets, lengths) == 0
+        registered; True once every byte is there, False when a piece failed or `timeout_s` passed.
+
+        Each piece is submitted at once and its completion polled between short sleeps: the engine's own
+        synchronous writes poll without sleeping, a core each while they wait.
+        """
+        engine, pending, failed = self._engine, [], False
+        for address, length in sources:
+            batch = engine.transfer_submit_write(session, address, destination, length)
+            destination += length
+            if batch in _SUBMIT_FAILED:
+                failed = True
+                break
+            pending.append(batch)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            time.sleep(_POLL_S)
+            # 1: done, 0: under way; -1 failed, -2 timed out. A finished batch is freed by the check.
+            states = [engine.transfer_check_status(batch) for batch in pending]
+            failed = failed or any(state < 0 for state in states)
+            pending = [batch for batch, state in zip(pending, states) if state == 0]
+            if pending and time.monotonic() > deadline:
+                return False  # its batches stay allocated: the engine may still be writing them
+        return not failed
 
     def close(self, *keep_alive: object) -> None:
         """Stops the engine on a thread of its own (it takes about a second), then lets `keep_alive` go:

@@ -58,15 +58,19 @@ class SlotPool:
         self._lock = threading.Lock()
         self._free = deque(range(slots))
         self._quarantined: deque[tuple[float, int]] = deque()  # (free again at, slot), oldest first
+        self.quarantines = 0  # slots ever kept out of use after a call's end or a failed write
         self.closed = False
 
     def grant(self, wanted: int) -> list[int]:
         """Up to `wanted` free slots, now the caller's."""
         with self._lock:
-            now = time.monotonic()
-            while self._quarantined and self._quarantined[0][0] <= now:
-                self._free.append(self._quarantined.popleft()[1])
+            self._end_quarantines()
             return [self._free.popleft() for _ in range(min(wanted, len(self._free)))]
+
+    def _end_quarantines(self) -> None:
+        now = time.monotonic()
+        while self._quarantined and self._quarantined[0][0] <= now:
+            self._free.append(self._quarantined.popleft()[1])
 
     def release(self, slot: int) -> None:
         """No write can land in `slot` any more and nothing reads it: free."""
@@ -77,10 +81,12 @@ class SlotPool:
         """A write into `slot` may still land: free once `late_write_s` has passed."""
         with self._lock:
             self._quarantined.append((time.monotonic() + self.late_write_s, slot))
+            self.quarantines += 1
 
     def counts(self) -> tuple[int, int]:
         """(free, quarantined) slots; the rest are granted or under a result's tensor."""
         with self._lock:
+            self._end_quarantines()
             return len(self._free), len(self._quarantined)
 
     def slot_address(self, slot: int) -> int:
@@ -168,10 +174,6 @@ class CallGrant:
         ):
             if slot is not None:
                 self._settle_slot(placement.slot)  # whoever wrote it may write it again
-            if receiver.strict:
-                raise TransferEngineUnavailableError(
-                    f"item {header.index}: the server's placement (slot {placement.slot}) does not check out"
-                )
             log.warning("item %d of request %r: transfer-engine placement refused; fetching it over gRPC",
                         header.index, self.request_id)  # fmt: skip
             receiver.stats.fallbacks["mooncake_bad_placement"] += 1

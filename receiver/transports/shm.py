@@ -25,7 +25,15 @@ import torch
 from encoder_common.errors import SharedMemoryUnavailableError
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
 from protos import encoder_pb2 as pb
-from protos.shm import HEADER_BYTES, RECEIVER_KIND, TOKEN_BYTES, is_segment_name, item_proof, new_instance, segment_header
+from protos.shm import (
+    HEADER_BYTES,
+    RECEIVER_KIND,
+    TOKEN_BYTES,
+    is_segment_name,
+    item_proof,
+    new_instance,
+    segment_header,
+)
 
 from ..channels import grpc_target
 from . import Placement, TransferStats

@@ -38,8 +38,11 @@ class MooncakeConfig(EngineSettings):
     # Smaller payloads go as chunks: a write's round trip costs more than one message.
     min_bytes: int = 64 << 10
     write_threads: int = field(
-        default=4, metadata=flag("payloads written at once, each on a thread of its own")
+        default=4, metadata=flag("payloads written at once, each waited for on a thread of its own")
     )
+    # A write not done by then fails (its item goes as chunks); receivers keep such a slot out of use
+    # for longer than this (their late_write_s).
+    write_timeout_s: float = 10.0
     staging: bool = field(
         default=False,
         metadata=flag(
@@ -159,7 +162,7 @@ class MooncakeWriter:
             nbytes = sum(len(array) for array in arrays)
             copy_parts(self._staging_buffer(nbytes)[:nbytes], arrays)
             sources = [(self._staging.address, nbytes)]
-        return self.engine.write(session, sources, destination)
+        return self.engine.write(session, sources, destination, self.config.write_timeout_s)
 
     def _staging_buffer(self, nbytes: int) -> np.ndarray:
         """This thread's staging buffer, grown and registered (once per growth) when `nbytes` does not fit.
