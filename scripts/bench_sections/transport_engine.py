@@ -44,7 +44,10 @@ class EngineRun:
         self.engine_rx = {size: EncoderReceiver([urls[size]], transfer="mooncake") for size in sizes}
         self.stream_rx = {size: EncoderReceiver([urls[size]], transfer="grpc") for size in sizes}
         plain = ctx.servers["plain"].url
-        self.declined_rx = {"auto": EncoderReceiver([plain]), "grpc": EncoderReceiver([plain], transfer="grpc")}
+        self.declined_rx = {
+            "auto": EncoderReceiver([plain]),
+            "grpc": EncoderReceiver([plain], transfer="grpc"),
+        }
         self.cpu: dict[str, list[tuple[float, float]]] = {}  # figure -> (receiver, server) s/GB per round
 
     async def close(self) -> None:
@@ -77,15 +80,26 @@ class EngineRun:
             receiver = self.declined_rx[kind.split("_")[0]]
         else:
             receiver = (self.engine_rx if kind.startswith("engine") else self.stream_rx)[size]
-        call: Callable[[], Awaitable[None]] = self.base.ours_call(receiver, self.base.cached_image, size, True)
+        call: Callable[[], Awaitable[None]] = self.base.ours_call(
+            receiver, self.base.cached_image, size, True
+        )
         await receiver.encode("bench", [{"data": self.base.cached_image}])  # untimed: cached from here on
         n = self.base.n_calls[size]
-        return n * item_bytes(size) / await in_flight([call] * n, IN_FLIGHT if kind.endswith("_x4") else 1) / 1e9
+        return (
+            n * item_bytes(size) / await in_flight([call] * n, IN_FLIGHT if kind.endswith("_x4") else 1) / 1e9
+        )
 
     def measures(self) -> dict[str, Callable[[], Awaitable[float]]]:
-        figures = {f"{size} {kind}": (size, kind) for size in self.base.p.transport_sizes for kind in (*OURS, *BASELINES)}
+        figures = {
+            f"{size} {kind}": (size, kind)
+            for size in self.base.p.transport_sizes
+            for kind in (*OURS, *BASELINES)
+        }
         figures.update({f"{7 * MiB} {kind}": (7 * MiB, kind) for kind in DECLINED})
-        return {name: (lambda size=size, kind=kind: self.measure(size, kind)) for name, (size, kind) in figures.items()}
+        return {
+            name: (lambda size=size, kind=kind: self.measure(size, kind))
+            for name, (size, kind) in figures.items()
+        }
 
     async def warm_up(self) -> None:
         """Each receiver's engine started and its connections made; the items cached."""
@@ -103,10 +117,12 @@ def size_row(size: int, runs: dict[str, list[float]], cpu: dict[str, list[tuple[
         "gbps": {kind: median(values) for kind, values in by.items()},
         "runs_gbps": by,
         "cpu_s_per_gb": {
-            kind: {"receiver": median(r for r, _ in cpu[f"{size} {kind}"]),
-                   "server": median(s for _, s in cpu[f"{size} {kind}"])}
+            kind: {
+                "receiver": median(r for r, _ in cpu[f"{size} {kind}"]),
+                "server": median(s for _, s in cpu[f"{size} {kind}"]),
+            }
             for kind in by
-        },  # fmt: skip
+        },
     }
     for mode in ("seq", "x4"):
         row[f"engine_vs_stream_{mode}"] = paired_ratio(by[f"engine_{mode}"], by[f"stream_{mode}"])
@@ -126,7 +142,9 @@ async def run(ctx: Context, base: TransportRun) -> dict:
         runs = await interleaved("transfer engine", ctx.profile.transport_rounds, engine.measures())
     finally:
         await engine.close()
-    out: dict = {f"{size // MiB}MiB": size_row(size, runs, engine.cpu) for size in ctx.profile.transport_sizes}
+    out: dict = {
+        f"{size // MiB}MiB": size_row(size, runs, engine.cpu) for size in ctx.profile.transport_sizes
+    }
     auto, grpc = runs[f"{7 * MiB} auto_declined_seq"], runs[f"{7 * MiB} grpc_declined_seq"]
     out["declined_offer"] = {
         "auto_gbps": median(auto),
