@@ -6,11 +6,10 @@ offer costs. docs/mooncake-transport.md describes the figures."""
 
 from __future__ import annotations
 
-import os
+import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
-from testkit.bench_harness import interleaved, median, paired_ratio
+from testkit.bench_harness import interleaved, median, paired_ratio, process_cpu_seconds
 
 from .context import Context
 from .profile import MiB
@@ -22,15 +21,6 @@ from .transport_items import IN_FLIGHT, item_bytes
 OURS = ("engine_seq", "engine_x4", "stream_seq", "stream_x4")
 BASELINES = ("bare_seq", "bare_x4", "memcpy")
 DECLINED = ("auto_declined_seq", "grpc_declined_seq")  # against the plain server, 7 MiB
-
-
-def cpu_seconds(pid: int | None = None) -> float:
-    """User and system CPU seconds of a process (this one when None), all its threads."""
-    if pid is None:
-        times = os.times()
-        return times.user + times.system
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class EngineRun:
@@ -64,13 +54,13 @@ class EngineRun:
     async def measure(self, size: int, kind: str) -> float:
         """GB/s of one figure; records both sides' CPU seconds per GB beside it."""
         pid = self.server_pid(size, kind)
-        before = cpu_seconds(), cpu_seconds(pid) if pid else 0.0
+        before = time.process_time(), process_cpu_seconds(pid) if pid else 0.0
         if kind in BASELINES:
             gbps = await self.base.measure(size, kind)
         else:
             gbps = await self.ours(size, kind)
         nbytes = self.base.n_calls[size] * item_bytes(size)
-        after = cpu_seconds(), cpu_seconds(pid) if pid else 0.0
+        after = time.process_time(), process_cpu_seconds(pid) if pid else 0.0
         per_gb = [(b - a) / (nbytes / 1e9) for a, b in zip(before, after)]
         self.cpu.setdefault(f"{size} {kind}", []).append((per_gb[0], per_gb[1]))
         return gbps

@@ -54,19 +54,10 @@ def engine_receiver(urls: list[str], **pool) -> EncoderReceiver:
     return EncoderReceiver(urls, transfer="mooncake", mooncake=MooncakeReceiverConfig(**pool))
 
 
-def start_fixed(tmp_path, *flags: str, tokens: int = TOKENS):
+def start_fixed(tmp_path, *flags: str, tokens: int = TOKENS, env: dict[str, str] | None = None):
     """A server process whose stand-in tower answers `tokens` x HIDDEN bf16 rows (and one deepstack layer)."""
-    argv = [
-        sys.executable,
-        "-m",
-        "testkit.fixed_server",
-        str(tokens),
-        str(HIDDEN),
-        "--deepstack",
-        "1",
-        *flags,
-    ]
-    return start_process(argv, tmp_path / f"fixed-{len(list(tmp_path.iterdir()))}.log")
+    fixed = [sys.executable, "-m", "testkit.fixed_server", str(tokens), str(HIDDEN), "--deepstack", "1"]
+    return start_process([*fixed, *flags], tmp_path / f"fixed-{len(list(tmp_path.iterdir()))}.log", env=env)
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +289,21 @@ async def test_an_offer_the_server_cannot_take_is_refused_and_served_as_chunks(e
         assert transport.pool.counts() == (8, 0)  # nothing was written: the slot is free at once
     finally:
         transport.close()
+
+
+async def test_auto_offers_the_engine_once_an_encoder_shows_it_is_on_another_host(tmp_path):
+    elsewhere = tmp_path / "another-hosts-shm"  # the server's shared memory is not this receiver's
+    elsewhere.mkdir()
+    server = start_fixed(tmp_path, "--mooncake", env={"ENCODER_SHM_DIR": str(elsewhere)})
+    try:
+        async with EncoderReceiver([server.url]) as rx:  # transfer="auto"
+            first = await rx.encode("first", items(2))
+            assert rx.transfer_stats.fallbacks == {"probe_unreadable": 2} and rx.transfer_stats.items_mooncake == 0
+            second = await rx.encode("second", items(2))
+            assert rx.transfer_stats.items_mooncake == 2 and rx.transfer_stats.fallbacks == {"probe_unreadable": 2}
+        assert_same_bytes(second, first)
+    finally:
+        server.stop(grace_s=10)
 
 
 async def test_a_server_killed_mid_write_fails_over_and_its_slots_come_back_later(tmp_path):
