@@ -28,11 +28,17 @@ COPY encoder_common ./encoder_common
 COPY encoder_server ./encoder_server
 COPY precompute ./precompute
 COPY receiver ./receiver
+# libibverbs1: the Mooncake transfer engine (--mooncake-transfer) loads it, for TCP as for RDMA.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 \
+    && rm -rf /var/lib/apt/lists/*
 # The server extra: the model stack. The base image's CUDA torch and torchvision (the processors'
 # torchvision backend, which runs preprocessing on the GPU) satisfy those requirements, so pip keeps them.
-# The store extra: the client of the fleet-wide embedding store (--store-url).
-RUN pip install --no-cache-dir "./[server,store]" \
-    && python -c "import torch, torchvision, protos.encoder_pb2, encoder_server.server, receiver" \
+# The store extra: the client of the fleet-wide embedding store (--store-url); the mooncake extra: the
+# transfer engine.
+RUN pip install --no-cache-dir "./[server,store,mooncake]" \
+    && python -c "import torch, torchvision, protos.encoder_pb2, encoder_server.server, receiver, mooncake.engine" \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin encoder
 
 USER 10001

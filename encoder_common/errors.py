@@ -83,8 +83,18 @@ class DeadlineExceededError(EncoderError, TimeoutError):
     outcome = "cancelled"
 
 
-class SharedMemoryUnavailableError(EncoderError):
+class TransferUnavailableError(EncoderError):
+    """A transport other than the stream was asked for by name, and this receiver or that server cannot
+    use it."""
+
+
+class SharedMemoryUnavailableError(TransferUnavailableError):
     """transfer="shm" was asked for, but this host or that server cannot use the shared-memory path."""
+
+
+class TransferEngineUnavailableError(TransferUnavailableError):
+    """transfer="mooncake" was asked for, but the transfer engine does not run here or that server
+    cannot write with it."""
 
 
 class TokenCountMismatchError(EncoderError):
@@ -119,7 +129,7 @@ ERROR_TABLE: dict[type[EncoderError], ErrorStatus] = {
     NotFoundError: ErrorStatus(grpc.StatusCode.NOT_FOUND, 404),
     PermissionDeniedError: ErrorStatus(grpc.StatusCode.PERMISSION_DENIED, 403),
     DeadlineExceededError: ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-    SharedMemoryUnavailableError: ErrorStatus(grpc.StatusCode.FAILED_PRECONDITION, 400),
+    TransferUnavailableError: ErrorStatus(grpc.StatusCode.FAILED_PRECONDITION, 400),
     TokenCountMismatchError: ErrorStatus(grpc.StatusCode.INTERNAL, 500),
 }
 _UNEXPECTED = ERROR_TABLE[EncoderError]

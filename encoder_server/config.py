@@ -19,6 +19,7 @@ from .sglang.config import SglangConfig
 from .store import StoreConfig
 from .streams import StreamLimits
 from .tls import TlsConfig
+from .transports.mooncake import MooncakeConfig
 from .transports.shm import ShmConfig
 
 if TYPE_CHECKING:  # torch is imported once a config is built, not to build the parser (--help stays fast)
@@ -120,6 +121,17 @@ class ServerConfig:
             settings=ShmConfig,
             prefix="shm-",
             switch=Flag(help="hand payloads to receivers on this host through /dev/shm", name="--shm-transfer"),
+        ),
+    )
+    mooncake: MooncakeConfig | None = field(  # the transfer engine, across hosts; None: off
+        default=None,
+        metadata=section(
+            settings=MooncakeConfig,
+            prefix="mooncake-",
+            switch=Flag(
+                help="write payloads into receivers' memory with the Mooncake transfer engine when they offer it",
+                name="--mooncake-transfer",
+            ),
         ),
     )
     sglang: SglangConfig = field(default_factory=SglangConfig, metadata=section(prefix="sglang-"))  # docs/sglang.md

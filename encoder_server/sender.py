@@ -120,7 +120,7 @@ class ItemSender:
             message.header.lease.CopyFrom(self.leases.grant(item.key, payload, lease.ttl_ms))
         # No chunks follow a payload withheld for its Fetch, or placed by the call's transport.
         withheld = lease is not None and lease.withhold_payload
-        placed = withheld or transport.place(message.header, payload)
+        placed = withheld or await transport.place(message.header, payload)
         header = message.SerializeToString()  # once the transport has written where it placed the payload
         started = time.perf_counter()
         if placed:

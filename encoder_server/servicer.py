@@ -89,7 +89,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
             if lease is not None and self.leases is None:
                 raise InvalidItemError("this server grants no leases (--lease-max-bytes is 0)")
             async with self.streams.call(context.peer()) as charge:
-                transport = self.transports.open_call(request)
+                transport = self.transports.open_call(request, context.peer())
                 sender = ItemSender(context, charge, record, transport, leases=self.leases, lease=lease)
                 with self.pipeline.admit(request.items, call.images) as flows:
                     await sender.send_all(flows)
@@ -102,7 +102,7 @@ class EncoderServicer(pb_grpc.EncoderServiceServicer):
         leased = [self.leases.get(key) for key in request.keys]
         with self.metrics.record("fetch", len(leased), context) as record:
             async with self.streams.call(context.peer()) as charge:
-                sender = ItemSender(context, charge, record, self.transports.open_call(request))
+                sender = ItemSender(context, charge, record, self.transports.open_call(request, context.peer()))
                 await sender.send_all([ready(ItemOut(index, payload)) for index, payload in enumerate(leased)])
         for key in request.keys:
             self.leases.fetched(key)

@@ -24,45 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/encoder.proto\x12\nencoder.v1\"\x83\x01\n\tImageItem\x12\r\n\x05index\x18\x01 \x01(\r\x12&\n\x08modality\x18\x02 \x01(\x0e\x32\x14.encoder.v1.Modality\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12\r\n\x03url\x18\x04 \x01(\tH\x00\x12\x16\n\x0e\x63ontent_sha256\x18\x05 \x01(\x0c\x42\x08\n\x06source\"\x8e\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.encoder.v1.ImageItem\x12!\n\x03shm\x18\x03 \x01(\x0b\x32\x14.encoder.v1.ShmOffer\x12 \n\x05lease\x18\x04 \x01(\x0b\x32\x11.encoder.v1.Lease\"1\n\x05Lease\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\x12\x18\n\x10withhold_payload\x18\x02 \x01(\x08\")\n\nLeaseGrant\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"S\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x03shm\x18\x03 \x01(\x0b\x32\x14.encoder.v1.ShmOffer\"\x19\n\x08ShmOffer\x12\r\n\x05probe\x18\x01 \x01(\t\"Y\n\x0cShmPlacement\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\x12)\n\x08\x66\x61llback\x18\x03 \x01(\x0e\x32\x17.encoder.v1.ShmFallback\"E\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x01\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\"\x87\x03\n\nItemHeader\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\x03\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x1c\n\x14num_deepstack_layers\x18\x06 \x01(\r\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\x12\x11\n\tcache_hit\x18\x08 \x01(\x08\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.encoder.v1.Timing\x12%\n\x03shm\x18\n \x01(\x0b\x32\x18.encoder.v1.ShmPlacement\x12%\n\x05lease\x18\x0b \x01(\x0b\x32\x16.encoder.v1.LeaseGrant\x12\x16\n\x0e\x63ontent_sha256\x18\x0c \x01(\x0c\x12\x10\n\x08not_held\x18\r \x01(\x08\x12)\n\nimage_size\x18\x0e \x01(\x0b\x32\x15.encoder.v1.ImageSize\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\"S\n\x0e\x45ncodeResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.encoder.v1.ItemHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x15\n\x13GetModelInfoRequest\"\x80\x04\n\tModelInfo\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x12\n\npatch_size\x18\x05 \x01(\r\x12\x1a\n\x12spatial_merge_size\x18\x06 \x01(\r\x12\x1b\n\x13temporal_patch_size\x18\x07 \x01(\r\x12\x1c\n\x14num_deepstack_layers\x18\x08 \x01(\r\x12\x1b\n\x13weights_fingerprint\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x16\n\x0erandom_weights\x18\x0b \x01(\x08\x12\x1d\n\x15max_items_per_request\x18\x0c \x01(\r\x12\x19\n\x11max_request_bytes\x18\r \x01(\x04\x12\x16\n\x0eserver_version\x18\x0e \x01(\t\x12\x1d\n\x15\x65xtra_tokens_per_item\x18\x0f \x01(\r\x12\x17\n\x0flease_max_bytes\x18\x10 \x01(\x04\x12\x18\n\x10lease_max_ttl_ms\x18\x11 \x01(\r\x12\x1a\n\x12preprocess_profile\x18\x12 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x13 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_version\x18\x14 \x01(\t*E\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\t\n\x05IMAGE\x10\x01\x12\t\n\x05VIDEO\x10\x02\x12\t\n\x05\x41UDIO\x10\x03*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03*\x8f\x01\n\x0bShmFallback\x12\x15\n\x11SHM_FALLBACK_NONE\x10\x00\x12\x10\n\x0cSHM_DISABLED\x10\x01\x12\x18\n\x14SHM_PROBE_UNREADABLE\x10\x02\x12\x13\n\x0fSHM_BUDGET_FULL\x10\x03\x12\x14\n\x10SHM_WRITE_FAILED\x10\x04\x12\x12\n\x0eSHM_SMALL_ITEM\x10\x05\x32\xdc\x01\n\x0e\x45ncoderService\x12\x41\n\x06\x45ncode\x12\x19.encoder.v1.EncodeRequest\x1a\x1a.encoder.v1.EncodeResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.encoder.v1.GetModelInfoRequest\x1a\x15.encoder.v1.ModelInfo\x12?\n\x05\x46\x65tch\x12\x18.encoder.v1.FetchRequest\x1a\x1a.encoder.v1.EncodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/encoder.proto\x12\nencoder.v1\"\x83\x01\n\tImageItem\x12\r\n\x05index\x18\x01 \x01(\r\x12&\n\x08modality\x18\x02 \x01(\x0e\x32\x14.encoder.v1.Modality\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12\r\n\x03url\x18\x04 \x01(\tH\x00\x12\x16\n\x0e\x63ontent_sha256\x18\x05 \x01(\x0c\x42\x08\n\x06source\"\xbb\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x05items\x18\x02 \x03(\x0b\x32\x15.encoder.v1.ImageItem\x12!\n\x03shm\x18\x03 \x01(\x0b\x32\x14.encoder.v1.ShmOffer\x12 \n\x05lease\x18\x04 \x01(\x0b\x32\x11.encoder.v1.Lease\x12+\n\x08mooncake\x18\x10 \x01(\x0b\x32\x19.encoder.v1.MooncakeOffer\"1\n\x05Lease\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\x12\x18\n\x10withhold_payload\x18\x02 \x01(\x08\")\n\nLeaseGrant\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"\x80\x01\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12!\n\x03shm\x18\x03 \x01(\x0b\x32\x14.encoder.v1.ShmOffer\x12+\n\x08mooncake\x18\x10 \x01(\x0b\x32\x19.encoder.v1.MooncakeOffer\"\x19\n\x08ShmOffer\x12\r\n\x05probe\x18\x01 \x01(\t\"Y\n\x0cShmPlacement\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\r\n\x05proof\x18\x02 \x01(\x0c\x12)\n\x08\x66\x61llback\x18\x03 \x01(\x0e\x32\x17.encoder.v1.ShmFallback\"j\n\rMooncakeOffer\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\t\x12\'\n\x05slots\x18\x03 \x03(\x0b\x32\x18.encoder.v1.MooncakeSlot\x12\r\n\x05token\x18\x04 \x01(\x0c\"1\n\x0cMooncakeSlot\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\"^\n\x11MooncakePlacement\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0b\n\x03mac\x18\x02 \x01(\x0c\x12.\n\x08\x66\x61llback\x18\x03 \x01(\x0e\x32\x1c.encoder.v1.MooncakeFallback\"E\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x02 \x01(\x01\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\"\xb8\x03\n\nItemHeader\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\x03\x12\x13\n\x0bhidden_size\x18\x04 \x01(\r\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x1c\n\x14num_deepstack_layers\x18\x06 \x01(\r\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\x12\x11\n\tcache_hit\x18\x08 \x01(\x08\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.encoder.v1.Timing\x12%\n\x03shm\x18\n \x01(\x0b\x32\x18.encoder.v1.ShmPlacement\x12%\n\x05lease\x18\x0b \x01(\x0b\x32\x16.encoder.v1.LeaseGrant\x12\x16\n\x0e\x63ontent_sha256\x18\x0c \x01(\x0c\x12\x10\n\x08not_held\x18\r \x01(\x08\x12)\n\nimage_size\x18\x0e \x01(\x0b\x32\x15.encoder.v1.ImageSize\x12/\n\x08mooncake\x18\x10 \x01(\x0b\x32\x1d.encoder.v1.MooncakePlacement\"*\n\tImageSize\x12\r\n\x05width\x18\x01 \x01(\r\x12\x0e\n\x06height\x18\x02 \x01(\r\"S\n\x0e\x45ncodeResponse\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.encoder.v1.ItemHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04kind\"\x15\n\x13GetModelInfoRequest\"\x80\x04\n\tModelInfo\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.encoder.v1.DType\x12\x12\n\npatch_size\x18\x05 \x01(\r\x12\x1a\n\x12spatial_merge_size\x18\x06 \x01(\r\x12\x1b\n\x13temporal_patch_size\x18\x07 \x01(\r\x12\x1c\n\x14num_deepstack_layers\x18\x08 \x01(\r\x12\x1b\n\x13weights_fingerprint\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x16\n\x0erandom_weights\x18\x0b \x01(\x08\x12\x1d\n\x15max_items_per_request\x18\x0c \x01(\r\x12\x19\n\x11max_request_bytes\x18\r \x01(\x04\x12\x16\n\x0eserver_version\x18\x0e \x01(\t\x12\x1d\n\x15\x65xtra_tokens_per_item\x18\x0f \x01(\r\x12\x17\n\x0flease_max_bytes\x18\x10 \x01(\x04\x12\x18\n\x10lease_max_ttl_ms\x18\x11 \x01(\r\x12\x1a\n\x12preprocess_profile\x18\x12 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x13 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_version\x18\x14 \x01(\t*E\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\t\n\x05IMAGE\x10\x01\x12\t\n\x05VIDEO\x10\x02\x12\t\n\x05\x41UDIO\x10\x03*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x46LOAT16\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0b\n\x07\x46LOAT32\x10\x03*\x8f\x01\n\x0bShmFallback\x12\x15\n\x11SHM_FALLBACK_NONE\x10\x00\x12\x10\n\x0cSHM_DISABLED\x10\x01\x12\x18\n\x14SHM_PROBE_UNREADABLE\x10\x02\x12\x13\n\x0fSHM_BUDGET_FULL\x10\x03\x12\x14\n\x10SHM_WRITE_FAILED\x10\x04\x12\x12\n\x0eSHM_SMALL_ITEM\x10\x05*\xab\x01\n\x10MooncakeFallback\x12\x1a\n\x16MOONCAKE_FALLBACK_NONE\x10\x00\x12\x15\n\x11MOONCAKE_DISABLED\x10\x01\x12\x1a\n\x16MOONCAKE_OFFER_REFUSED\x10\x02\x12\x14\n\x10MOONCAKE_NO_SLOT\x10\x03\x12\x19\n\x15MOONCAKE_WRITE_FAILED\x10\x04\x12\x17\n\x13MOONCAKE_SMALL_ITEM\x10\x05\x32\xdc\x01\n\x0e\x45ncoderService\x12\x41\n\x06\x45ncode\x12\x19.encoder.v1.EncodeRequest\x1a\x1a.encoder.v1.EncodeResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.encoder.v1.GetModelInfoRequest\x1a\x15.encoder.v1.ModelInfo\x12?\n\x05\x46\x65tch\x12\x18.encoder.v1.FetchRequest\x1a\x1a.encoder.v1.EncodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=1744
-  _globals['_MODALITY']._serialized_end=1813
-  _globals['_DTYPE']._serialized_start=1815
-  _globals['_DTYPE']._serialized_end=1885
-  _globals['_SHMFALLBACK']._serialized_start=1888
-  _globals['_SHMFALLBACK']._serialized_end=2031
+  _globals['_MODALITY']._serialized_start=2139
+  _globals['_MODALITY']._serialized_end=2208
+  _globals['_DTYPE']._serialized_start=2210
+  _globals['_DTYPE']._serialized_end=2280
+  _globals['_SHMFALLBACK']._serialized_start=2283
+  _globals['_SHMFALLBACK']._serialized_end=2426
+  _globals['_MOONCAKEFALLBACK']._serialized_start=2429
+  _globals['_MOONCAKEFALLBACK']._serialized_end=2600
   _globals['_IMAGEITEM']._serialized_start=37
   _globals['_IMAGEITEM']._serialized_end=168
   _globals['_ENCODEREQUEST']._serialized_start=171
-  _globals['_ENCODEREQUEST']._serialized_end=313
-  _globals['_LEASE']._serialized_start=315
-  _globals['_LEASE']._serialized_end=364
-  _globals['_LEASEGRANT']._serialized_start=366
-  _globals['_LEASEGRANT']._serialized_end=407
-  _globals['_FETCHREQUEST']._serialized_start=409
-  _globals['_FETCHREQUEST']._serialized_end=492
-  _globals['_SHMOFFER']._serialized_start=494
-  _globals['_SHMOFFER']._serialized_end=519
-  _globals['_SHMPLACEMENT']._serialized_start=521
-  _globals['_SHMPLACEMENT']._serialized_end=610
-  _globals['_TIMING']._serialized_start=612
-  _globals['_TIMING']._serialized_end=681
-  _globals['_ITEMHEADER']._serialized_start=684
-  _globals['_ITEMHEADER']._serialized_end=1075
-  _globals['_IMAGESIZE']._serialized_start=1077
-  _globals['_IMAGESIZE']._serialized_end=1119
-  _globals['_ENCODERESPONSE']._serialized_start=1121
-  _globals['_ENCODERESPONSE']._serialized_end=1204
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1206
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1227
-  _globals['_MODELINFO']._serialized_start=1230
-  _globals['_MODELINFO']._serialized_end=1742
-  _globals['_ENCODERSERVICE']._serialized_start=2034
-  _globals['_ENCODERSERVICE']._serialized_end=2254
+  _globals['_ENCODEREQUEST']._serialized_end=358
+  _globals['_LEASE']._serialized_start=360
+  _globals['_LEASE']._serialized_end=409
+  _globals['_LEASEGRANT']._serialized_start=411
+  _globals['_LEASEGRANT']._serialized_end=452
+  _globals['_FETCHREQUEST']._serialized_start=455
+  _globals['_FETCHREQUEST']._serialized_end=583
+  _globals['_SHMOFFER']._serialized_start=585
+  _globals['_SHMOFFER']._serialized_end=610
+  _globals['_SHMPLACEMENT']._serialized_start=612
+  _globals['_SHMPLACEMENT']._serialized_end=701
+  _globals['_MOONCAKEOFFER']._serialized_start=703
+  _globals['_MOONCAKEOFFER']._serialized_end=809
+  _globals['_MOONCAKESLOT']._serialized_start=811
+  _globals['_MOONCAKESLOT']._serialized_end=860
+  _globals['_MOONCAKEPLACEMENT']._serialized_start=862
+  _globals['_MOONCAKEPLACEMENT']._serialized_end=956
+  _globals['_TIMING']._serialized_start=958
+  _globals['_TIMING']._serialized_end=1027
+  _globals['_ITEMHEADER']._serialized_start=1030
+  _globals['_ITEMHEADER']._serialized_end=1470
+  _globals['_IMAGESIZE']._serialized_start=1472
+  _globals['_IMAGESIZE']._serialized_end=1514
+  _globals['_ENCODERESPONSE']._serialized_start=1516
+  _globals['_ENCODERESPONSE']._serialized_end=1599
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1601
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1622
+  _globals['_MODELINFO']._serialized_start=1625
+  _globals['_MODELINFO']._serialized_end=2137
+  _globals['_ENCODERSERVICE']._serialized_start=2603
+  _globals['_ENCODERSERVICE']._serialized_end=2823
 # @@protoc_insertion_point(module_scope)

@@ -29,6 +29,15 @@ class ShmFallback(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHM_BUDGET_FULL: _ClassVar[ShmFallback]
     SHM_WRITE_FAILED: _ClassVar[ShmFallback]
     SHM_SMALL_ITEM: _ClassVar[ShmFallback]
+
+class MooncakeFallback(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MOONCAKE_FALLBACK_NONE: _ClassVar[MooncakeFallback]
+    MOONCAKE_DISABLED: _ClassVar[MooncakeFallback]
+    MOONCAKE_OFFER_REFUSED: _ClassVar[MooncakeFallback]
+    MOONCAKE_NO_SLOT: _ClassVar[MooncakeFallback]
+    MOONCAKE_WRITE_FAILED: _ClassVar[MooncakeFallback]
+    MOONCAKE_SMALL_ITEM: _ClassVar[MooncakeFallback]
 MODALITY_UNSPECIFIED: Modality
 IMAGE: Modality
 VIDEO: Modality
@@ -43,6 +52,12 @@ SHM_PROBE_UNREADABLE: ShmFallback
 SHM_BUDGET_FULL: ShmFallback
 SHM_WRITE_FAILED: ShmFallback
 SHM_SMALL_ITEM: ShmFallback
+MOONCAKE_FALLBACK_NONE: MooncakeFallback
+MOONCAKE_DISABLED: MooncakeFallback
+MOONCAKE_OFFER_REFUSED: MooncakeFallback
+MOONCAKE_NO_SLOT: MooncakeFallback
+MOONCAKE_WRITE_FAILED: MooncakeFallback
+MOONCAKE_SMALL_ITEM: MooncakeFallback
 
 class ImageItem(_message.Message):
     __slots__ = ("index", "modality", "data", "url", "content_sha256")
@@ -59,16 +74,18 @@ class ImageItem(_message.Message):
     def __init__(self, index: _Optional[int] = ..., modality: _Optional[_Union[Modality, str]] = ..., data: _Optional[bytes] = ..., url: _Optional[str] = ..., content_sha256: _Optional[bytes] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "items", "shm", "lease")
+    __slots__ = ("request_id", "items", "shm", "lease", "mooncake")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     items: _containers.RepeatedCompositeFieldContainer[ImageItem]
     shm: ShmOffer
     lease: Lease
-    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
+    mooncake: MooncakeOffer
+    def __init__(self, request_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakeOffer, _Mapping]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("ttl_ms", "withhold_payload")
@@ -87,14 +104,16 @@ class LeaseGrant(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("request_id", "keys", "shm")
+    __slots__ = ("request_id", "keys", "shm", "mooncake")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     shm: ShmOffer
-    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ...) -> None: ...
+    mooncake: MooncakeOffer
+    def __init__(self, request_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., shm: _Optional[_Union[ShmOffer, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakeOffer, _Mapping]] = ...) -> None: ...
 
 class ShmOffer(_message.Message):
     __slots__ = ("probe",)
@@ -112,6 +131,36 @@ class ShmPlacement(_message.Message):
     fallback: ShmFallback
     def __init__(self, segment: _Optional[str] = ..., proof: _Optional[bytes] = ..., fallback: _Optional[_Union[ShmFallback, str]] = ...) -> None: ...
 
+class MooncakeOffer(_message.Message):
+    __slots__ = ("session", "protocol", "slots", "token")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    protocol: str
+    slots: _containers.RepeatedCompositeFieldContainer[MooncakeSlot]
+    token: bytes
+    def __init__(self, session: _Optional[str] = ..., protocol: _Optional[str] = ..., slots: _Optional[_Iterable[_Union[MooncakeSlot, _Mapping]]] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class MooncakeSlot(_message.Message):
+    __slots__ = ("address", "capacity")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    capacity: int
+    def __init__(self, address: _Optional[int] = ..., capacity: _Optional[int] = ...) -> None: ...
+
+class MooncakePlacement(_message.Message):
+    __slots__ = ("slot", "mac", "fallback")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    mac: bytes
+    fallback: MooncakeFallback
+    def __init__(self, slot: _Optional[int] = ..., mac: _Optional[bytes] = ..., fallback: _Optional[_Union[MooncakeFallback, str]] = ...) -> None: ...
+
 class Timing(_message.Message):
     __slots__ = ("queue_ms", "preprocess_ms", "forward_ms")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -123,7 +172,7 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class ItemHeader(_message.Message):
-    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing", "shm", "lease", "content_sha256", "not_held", "image_size")
+    __slots__ = ("index", "num_tokens", "grid_thw", "hidden_size", "dtype", "num_deepstack_layers", "payload_bytes", "cache_hit", "timing", "shm", "lease", "content_sha256", "not_held", "image_size", "mooncake")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +187,7 @@ class ItemHeader(_message.Message):
     CONTENT_SHA256_FIELD_NUMBER: _ClassVar[int]
     NOT_HELD_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MOONCAKE_FIELD_NUMBER: _ClassVar[int]
     index: int
     num_tokens: int
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
@@ -152,7 +202,8 @@ class ItemHeader(_message.Message):
     content_sha256: bytes
     not_held: bool
     image_size: ImageSize
-    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., lease: _Optional[_Union[LeaseGrant, _Mapping]] = ..., content_sha256: _Optional[bytes] = ..., not_held: _Optional[bool] = ..., image_size: _Optional[_Union[ImageSize, _Mapping]] = ...) -> None: ...
+    mooncake: MooncakePlacement
+    def __init__(self, index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., grid_thw: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_deepstack_layers: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., shm: _Optional[_Union[ShmPlacement, _Mapping]] = ..., lease: _Optional[_Union[LeaseGrant, _Mapping]] = ..., content_sha256: _Optional[bytes] = ..., not_held: _Optional[bool] = ..., image_size: _Optional[_Union[ImageSize, _Mapping]] = ..., mooncake: _Optional[_Union[MooncakePlacement, _Mapping]] = ...) -> None: ...
 
 class ImageSize(_message.Message):
     __slots__ = ("width", "height")

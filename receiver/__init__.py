@@ -18,6 +18,8 @@ _EXPORTS = {
     "ItemsOffsetError": "encoder_common.errors",
     "OverloadedError": "encoder_common.errors",
     "SharedMemoryUnavailableError": "encoder_common.errors",
+    "TransferEngineUnavailableError": "encoder_common.errors",
+    "TransferUnavailableError": "encoder_common.errors",
     "UnavailableError": "encoder_common.errors",
     "UnsupportedModalityError": "encoder_common.errors",
     "ClientTls": "receiver.config",

@@ -62,7 +62,7 @@ class EncoderReceiver:
             raise ValueError("EncoderReceiver needs at least one encoder URL")
         self.urls = list(urls)
         self.config = config = replace(config or ReceiverConfig(), **settings)
-        self._transport = open_transport(config.transfer)  # "auto" touches no file yet
+        self._transport = open_transport(config.transfer, config)  # "auto" touches no file yet
         self.metrics = metrics or ReceiverMetrics()
         self._fleet = Fleet.connect(
             self.urls, config, resolver=resolver, metrics=self.metrics, transport=self._transport

@@ -15,7 +15,8 @@ from typing import Any
 
 import grpc
 
-from encoder_common.env_flags import flag
+from encoder_common.env_flags import flag, section
+from encoder_common.mooncake_engine import EngineSettings
 
 from .transports import TRANSFERS
 
@@ -35,6 +36,25 @@ class FailoverPolicy:
     # First wait before re-sending items an encoder refused as overloaded; doubles per attempt, so
     # an item gives up on a fleet that stays overloaded after ~3 s of back-off (0.1 + ... + 1.6).
     busy_backoff_s: float = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MooncakeReceiverConfig(EngineSettings):
+    """The transfer engine's side of a receiver (transfer "mooncake", or "auto" to encoders on other hosts)."""
+
+    slots: int = field(default=8, metadata=flag("receive slots registered with the transfer engine, one item each"))
+    slot_bytes: int = field(
+        default=48 << 20, metadata=flag("bytes of each receive slot; larger items come over the stream")
+    )
+    late_write_s: float = field(
+        default=30.0,
+        metadata=flag("how long the slots of a call that ended early stay out of use, in case its encoder's write still lands"),
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.slots < 1 or self.slot_bytes < 1:
+            raise ValueError(f"the transfer engine needs slots of some size, got {self.slots} x {self.slot_bytes} bytes")
 
 
 @dataclass(frozen=True)
@@ -98,10 +118,14 @@ class ReceiverConfig:
     transfer: str = field(
         default="auto",
         metadata=flag(
-            "how embeddings come back: auto (shared memory from encoders on this host, else the stream), "
-            "shm (shared memory or an error), grpc (the stream only)",
+            "how embeddings come back: auto (shared memory from encoders on this host, the Mooncake transfer "
+            "engine from others where it is installed, else the stream), shm (shared memory or an error), "
+            "mooncake (the transfer engine or an error), grpc (the stream only)",
             choices=TRANSFERS,
         ),
+    )
+    mooncake: MooncakeReceiverConfig = field(
+        default_factory=MooncakeReceiverConfig, metadata=section(prefix="mooncake-")
     )
     seed: int | None = field(default=None, metadata=flag("seeds the random sharding across encoders", type=int))
     file_roots: tuple[Path, ...] | None = None  # directories `file://` items may be read from; None: any path

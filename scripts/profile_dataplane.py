@@ -1,6 +1,6 @@
 """Where a cached item's call spends its time: CPU per call in the server and in the client, and
 event-loop turns, for bare grpcio, our server read by a bare client, and `EncoderReceiver` over the
-stream and over shared memory. Differences between neighbouring rows split our overhead into the
+stream, over shared memory and (when it imports) through the Mooncake transfer engine. Differences between neighbouring rows split our overhead into the
 server's part and the receiver's part. A profile, not a benchmark: `scripts/bench.py` has the ratios.
 
     python scripts/profile_dataplane.py [--tokens 1024] [--in-flight 1] [--calls 60] [--rounds 5] [--small-first]
@@ -31,6 +31,7 @@ import grpc  # noqa: E402
 from bench_sections.transport_items import TRANSPORT_HIDDEN, request_jpeg  # noqa: E402
 
 from encoder_common.malloc import tune_malloc  # noqa: E402
+from encoder_common.mooncake_engine import unavailable  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from testkit.bare_grpc import receive_payload  # noqa: E402
@@ -100,7 +101,8 @@ async def profile(args, ours, bare, small_first=None) -> None:
     raw = request.SerializeToString()
     turns = LoopTurns()
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p.port}") for p in (bare, ours)]
-    receivers = [EncoderReceiver([ours.url], transfer=t) for t in ("grpc", "shm")]
+    engine = unavailable() is None
+    receivers = [EncoderReceiver([ours.url], transfer=t) for t in ("grpc", "shm", *(["mooncake"] if engine else []))]
     await receivers[0].encode("first", [{"data": image}])  # computed once: every measured call is a hit
     if small_first is not None:
         receivers.append(EncoderReceiver([small_first.url], transfer="grpc"))
@@ -111,8 +113,10 @@ async def profile(args, ours, bare, small_first=None) -> None:
         "EncoderReceiver, stream": (receiver_call(receivers[0], image), ours.process.pid),
         "EncoderReceiver, shm": (receiver_call(receivers[1], image), ours.process.pid),
     }
+    if engine:
+        rows["EncoderReceiver, engine"] = (receiver_call(receivers[2], image), ours.process.pid)
     if small_first is not None:
-        rows["EncoderReceiver, small 1st"] = (receiver_call(receivers[2], image), small_first.process.pid)
+        rows["EncoderReceiver, small 1st"] = (receiver_call(receivers[-1], image), small_first.process.pid)
     runs: dict[str, list[tuple[float, ...]]] = {name: [] for name in rows}
     for _ in range(args.rounds):  # interleaved, so that a slow moment of the machine hits every row
         for name, (call, pid) in rows.items():
@@ -141,8 +145,10 @@ def main() -> None:
     tune_malloc()  # as bench.py: the receiver's process set up as docs/prefill-side.md recommends
     nbytes = args.tokens * TRANSPORT_HIDDEN * 2
     with tempfile.TemporaryDirectory(prefix="profile-dataplane-") as logs:
+        engine = ["--mooncake"] if unavailable() is None else []
         ours = start_process(
-            [sys.executable, "-m", "testkit.fixed_server", str(args.tokens), str(TRANSPORT_HIDDEN)], Path(logs) / "fixed.log"
+            [sys.executable, "-m", "testkit.fixed_server", str(args.tokens), str(TRANSPORT_HIDDEN), *engine],
+            Path(logs) / "fixed.log",
         )
         bare = start_process(
             [sys.executable, str(REPO_ROOT / "scripts" / "bench.py"), "--role", "bare-grpc", "--payload-bytes", str(nbytes)],

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs the project with the server, gateway and test extras (what
-# the tests need; a prefill node needs none: `pip install encoder-service` is the receiver alone).
+# Creates .venv (if missing) and installs the project with the server, gateway, mooncake and test extras
+# (what the tests need; a prefill node needs none: `pip install encoder-service` is the receiver alone),
+# and Debian's libibverbs1, which the Mooncake transfer engine loads (scripts/setup_mooncake.sh).
 # torch and torchvision are installed explicitly first, as a pair that loads together, so that pip
 # never picks a torch for us. The server needs torchvision: it runs the checkpoint's processor with
 # transformers' torchvision backend, as vLLM and SGLang do. The package index has no CPU build of
@@ -29,4 +30,5 @@ if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
   # shellcheck disable=SC2086
   pip_quietly ${TORCH_SPEC:-"torch==2.13.0,!=2.13.0+cpu" torchvision==0.28.0} ${PIP_TORCH_ARGS:-}
 fi
-pip_quietly -e ".[server,gateway,test]"
+./scripts/setup_mooncake.sh
+pip_quietly -e ".[server,gateway,mooncake,test]"

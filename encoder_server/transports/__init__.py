@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
+from .mooncake import MooncakeWriter
 from .shm import ShmSegments
 from .stream import STREAM
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 class CallTransport(Protocol):
     """One call's use of a transport."""
 
-    def place(self, header: pb.ItemHeader, payload: ItemPayload) -> bool:
+    async def place(self, header: pb.ItemHeader, payload: ItemPayload) -> bool:
         """Puts the payload where this transport carries it and says where in `header`; False: it
         follows on the stream as chunks."""
 
@@ -38,10 +39,10 @@ class ServerTransport(Protocol):
 
     @staticmethod
     def open_call(
-        running: ServerTransport | None, request: pb.EncodeRequest | pb.FetchRequest
+        running: ServerTransport | None, request: pb.EncodeRequest | pb.FetchRequest, peer: str
     ) -> CallTransport | None:
         """The call's use of this transport, when its receiver offered it (`running` None: the server
-        runs without it); None when the receiver did not."""
+        runs without it); None when the receiver did not. `peer`: the caller's address, as gRPC gives it."""
 
     async def start(self) -> None: ...
 
@@ -56,6 +57,7 @@ class ServerTransport(Protocol):
 # `FetchRequest` where a receiver offers it.
 TRANSPORTS: dict[str, type[ServerTransport]] = {
     "shm": ShmSegments,
+    "mooncake": MooncakeWriter,
 }
 
 
@@ -83,10 +85,10 @@ class ServerTransports:
         for transport in self:
             await transport.stop()
 
-    def open_call(self, request: pb.EncodeRequest | pb.FetchRequest) -> CallTransport:
+    def open_call(self, request: pb.EncodeRequest | pb.FetchRequest, peer: str) -> CallTransport:
         """The transport of a call's payloads: the first one its receiver offered, else the stream."""
         for name, transport in TRANSPORTS.items():
-            call = transport.open_call(self._running.get(name), request)
+            call = transport.open_call(self._running.get(name), request, peer)
             if call is not None:
                 return call
         return STREAM

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class StreamCall:
     """A call whose payloads all go as chunks on its stream: nothing to place, hand over or take back."""
 
-    def place(self, header: pb.ItemHeader, payload: ItemPayload) -> bool:
+    async def place(self, header: pb.ItemHeader, payload: ItemPayload) -> bool:
         return False
 
     def hand_over(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from encoder_common.errors import SharedMemoryUnavailableError, error_class_for
+from encoder_common.errors import TransferUnavailableError, error_class_for
 from protos import encoder_pb2 as pb
 from protos import wire
 
@@ -26,7 +26,7 @@ from .channels import EncoderEndpoint
 @dataclass(frozen=True)
 class CallFailure:
     """How a call ended before all its items arrived: a status code, or None for a stream that broke
-    the contract (or whose shared memory could not be used)."""
+    the contract (or whose transport could not be used)."""
 
     code: grpc.StatusCode | None
     message: str
@@ -65,7 +65,7 @@ async def read_call(
         if watch.stalled:
             return CallFailure(grpc.StatusCode.UNAVAILABLE, watch.reason)
         return CallFailure(exc.code(), exc.details() or "")
-    except (StreamProtocolError, SharedMemoryUnavailableError) as exc:
+    except (StreamProtocolError, TransferUnavailableError) as exc:
         call.cancel()
         return CallFailure(None, str(exc))
     except asyncio.CancelledError:
@@ -113,6 +113,8 @@ async def encode_shard(
         return failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call", indices)
     call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
     failure = await read_call(endpoint, call, assembler, policy, arrived)
+    if read_placed is not None:
+        transport.end_call(read_placed, complete=failure is None)
     for index, digest in assembler.digests.items():
         endpoint.held.held(keys[index], digest)
     for index in assembler.not_held:
@@ -148,7 +150,7 @@ def _encode_request(
     answer. An image whose digest is given goes as that digest alone (the encoder said it keeps it)."""
     withheld = lease is not None and lease.withhold_payload
     fields = pb.EncodeRequest(request_id=request_id, lease=lease)  # the request but for its items
-    read_placed = None if withheld else transport.open_call(fields, url)
+    read_placed = None if withheld else transport.open_call(fields, url, len(items))
     # A held image goes as its digest and no bytes (content_sha256=None leaves the field unset).
     request = wire.encode_request(
         fields,
@@ -180,13 +182,15 @@ async def fetch_shard(
     transport placed where they could not be used are fetched again over the stream.
     """
     request = pb.FetchRequest(request_id=request_id, keys=keys)
-    read_placed = transport.open_call(request, endpoint.url)
+    read_placed = transport.open_call(request, endpoint.url, len(keys))
     assembler = ShardAssembler(range(len(keys)), endpoint.url, read_placed, allocate)
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the deadline passed before the call")
     call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
     failure = await read_call(endpoint, call, assembler, policy)
+    if read_placed is not None:
+        transport.end_call(read_placed, complete=failure is None)
     if failure is not None:
         if failure.code is None:
             raise StreamProtocolError(failure.message)

@@ -37,6 +37,9 @@ from protos.shm import (
 from ..urls import grpc_target
 from . import PayloadReader, Placement, TransferStats
 
+if TYPE_CHECKING:
+    from ..config import ReceiverConfig
+
 log = logging.getLogger(__name__)
 
 # Server pool segments kept mapped; more than a server's pool ever holds at the default budget.
@@ -89,9 +92,10 @@ class ShmReceiver:
     """One receiver's probe (a 0600 segment holding a random token, locked while the receiver lives)
     and the reading of segments that servers announce for it."""
 
-    def __init__(self, strict: bool, directory: Path | None = None):
+    def __init__(self, strict: bool, config: ReceiverConfig | None = None, directory: Path | None = None):
         """Strict (transfer="shm"): the probe is made now, or SharedMemoryUnavailableError. Otherwise
-        nothing touches the directory until the first call to an encoder that could share this host."""
+        nothing touches the directory until the first call to an encoder that could share this host.
+        `config`: the receiver's settings, none of which are shared memory's."""
         self.strict = strict
         self.directory = directory or shm_dir()
         self.probe = f"{new_instance(RECEIVER_KIND)}.probe"
@@ -135,7 +139,7 @@ class ShmReceiver:
             return None
         return pb.ShmOffer(probe=self.probe) if self._make_probe() else None
 
-    def open_call(self, request: pb.EncodeRequest | pb.FetchRequest, url: str) -> PayloadReader | None:
+    def open_call(self, request: pb.EncodeRequest | pb.FetchRequest, url: str, items: int) -> PayloadReader | None:
         """`offer` put in `request`, and `take` for that call's headers (see receiver.transports)."""
         offer = self.offer(url)
         if offer is None:
@@ -146,6 +150,9 @@ class ShmReceiver:
         self._forget_dropped()
         request.shm.CopyFrom(offer)
         return functools.partial(self.take, request.request_id)
+
+    def end_call(self, reader: PayloadReader, complete: bool) -> None:
+        """Nothing to do: a segment is the receiver's from its header on, whatever becomes of the call."""
 
     def take(self, request_id: str, header: pb.ItemHeader) -> tuple[Placement, torch.Tensor | None]:
         """Where the item's payload is and, when the header announces a segment and everything checks

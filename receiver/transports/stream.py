@@ -10,16 +10,22 @@ from . import TransferStats
 if TYPE_CHECKING:
     from protos import encoder_pb2 as pb
 
+    from ..config import ReceiverConfig
+
 
 class StreamTransport:
     """Calls that offer nothing besides the stream (transfer="grpc", and a refetch after a refused
     placement)."""
 
-    def __init__(self, strict: bool = True):  # strict or not, the stream is always there
+    def __init__(self, strict: bool = True, config: ReceiverConfig | None = None):
+        # Strict or not, the stream is always there; it has no settings of its own.
         self.stats = TransferStats()  # stays empty: nothing is offered
 
-    def open_call(self, request: pb.EncodeRequest | pb.FetchRequest, url: str) -> None:
+    def open_call(self, request: pb.EncodeRequest | pb.FetchRequest, url: str, items: int) -> None:
         return None
+
+    def end_call(self, reader: object, complete: bool) -> None:
+        pass
 
     def close(self) -> None:
         pass

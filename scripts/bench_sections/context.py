@@ -12,7 +12,7 @@ from pathlib import Path
 from testkit.checkpoints import write_tower_checkpoint
 from testkit.launcher import LaunchedProcess, server_argv, start_process
 
-from .profile import Profile
+from .profile import MiB, Profile
 from .transport_baselines import mooncake_available
 from .transport_items import SMALL, TRANSPORT_HIDDEN, item_bytes, item_tokens
 
@@ -86,8 +86,24 @@ def transport_processes(ctx: Context) -> dict[str, Awaitable[LaunchedProcess]]:
     ctx.mooncake_skipped = mooncake_available()
     if ctx.mooncake_skipped is None:
         starts["mooncake"] = children.role("mooncake", "mooncake-target", 1, "--payload-bytes", *payloads)
+        starts.update(engine_processes(ctx))
     else:
         print(f"transport: Mooncake section skipped ({ctx.mooncake_skipped})", file=sys.stderr)
+    return starts
+
+
+def engine_processes(ctx: Context) -> dict[str, Awaitable[LaunchedProcess]]:
+    """The transfer-engine rows' servers (transport_engine.py): one per item size with the engine on and
+    shared memory off, and one with neither, whose offers every receiver sees declined."""
+    fixed = [sys.executable, "-m", "testkit.fixed_server"]
+    starts = {
+        f"engine-{size}": ctx.children.spawn(
+            f"engine-{size}", [*fixed, str(item_tokens(size)), str(TRANSPORT_HIDDEN), "--mooncake", "--no-shm"], 1
+        )
+        for size in ctx.profile.transport_sizes
+    }
+    plain = [*fixed, str(item_tokens(7 * MiB)), str(TRANSPORT_HIDDEN), "--no-shm"]
+    starts["plain"] = ctx.children.spawn("plain", plain, 1)
     return starts
 
 

@@ -37,6 +37,16 @@ GOALS = [
     ("scale-out: 2 processes / 1", "scale_out", ("ratio",), 1.7, True, None),
     ("cache: miss / hit latency", "cache", ("speedup",), 20.0, True, None),
 ]  # fmt: skip
+# The transfer engine (transport_engine.py), a cached 7 MiB item: its rate against the stream's, and the
+# receiver's CPU per GB against the stream's; a declined offer against no offer at all.
+GOALS += [
+    *[(f"transport 7 MiB: transfer engine {mode} / stream {mode}", "transport", ("engine", "7MiB", f"engine_vs_stream_{mode}"),
+       1.8, True, None) for mode in ("seq", "x4")],
+    *[(f"transport 7 MiB: transfer engine {mode} receiver CPU per GB / stream's", "transport",
+       ("engine", "7MiB", f"receiver_cpu_engine_vs_stream_{mode}"), 0.5, False, None) for mode in ("seq", "x4")],
+    ("transport 7 MiB: auto with its offer declined / grpc", "transport", ("engine", "declined_offer", "auto_vs_grpc"),
+     0.95, True, None),
+]  # fmt: skip
 
 
 def _lookup(results: dict, section: str, path: Sequence[str]):
@@ -112,11 +122,35 @@ def transport_size_rows(size: str, r: dict) -> list[Row]:
     return rows
 
 
+def engine_rows(e: dict) -> list[Row]:
+    """The transfer engine's rows: each size and mode against the stream, bare grpcio and memcpy, with
+    both sides' CPU seconds per GB; then the declined offer."""
+    rows: list[Row] = []
+    for size in (key for key in e if key.endswith("MiB")):
+        r = e[size]
+        g, cpu = r["gbps"], r["cpu_s_per_gb"]
+        for mode in ("seq", "x4"):
+            engine, stream = cpu[f"engine_{mode}"], cpu[f"stream_{mode}"]
+            rows.append((
+                f"transfer engine {size} {mode}",
+                f"ours {g[f'engine_{mode}']:.2f} GB/s (CPU s/GB receiver {engine['receiver']:.2f}, server {engine['server']:.2f})",
+                (f"stream {g[f'stream_{mode}']:.2f} GB/s (receiver {stream['receiver']:.2f}, server {stream['server']:.2f}) / "
+                 f"bare grpcio {g[f'bare_{mode}']:.2f} / memcpy {g['memcpy']:.1f} GB/s"),
+                (f"{r[f'engine_vs_stream_{mode}']:.2f}x / {r[f'engine_vs_bare_{mode}']:.2f}x / "
+                 f"{r[f'engine_vs_memcpy_{mode}']:.2f}x; receiver CPU {r[f'receiver_cpu_engine_vs_stream_{mode}']:.2f}x"),
+            ))  # fmt: skip
+    d = e["declined_offer"]
+    rows.append(("  7MiB seq, offer declined", f"auto {d['auto_gbps']:.2f} GB/s", f"grpc {d['grpc_gbps']:.2f} GB/s",
+                 f"{d['auto_vs_grpc']:.2f}x"))  # fmt: skip
+    return rows
+
+
 def transport_rows(t: dict) -> list[Row]:
     """Every item size's rows, then the floors behind the ceilings and the small item's latency."""
     floor, small = t["floor_ms"], t["small"]
     return [
         *(row for size in t if size.endswith("MiB") for row in transport_size_rows(size, t[size])),
+        *(engine_rows(t["engine"]) if "engine" in t else []),
         ("  floors (ceilings' inputs)", f"decode the JPEG {floor['jpeg_decode']:.2f} ms",
          f"bare call with the request {floor['request_ack']:.2f} ms", ""),
         (f"small item ({small['tokens']} tokens, cached)", f"ours {small['ours_ms']['median']:.2f} ms",

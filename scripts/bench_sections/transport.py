@@ -240,11 +240,14 @@ async def run(ctx: Context) -> dict:
     try:
         await transport.warm_up()
         runs = await interleaved("dataplane", ctx.profile.transport_rounds, transport.measures())
-        mooncake = {}
+        mooncake, engine = {}, None
         if "mooncake" in ctx.servers:
             mooncake = await mooncake_gbps(
                 ctx.servers["mooncake"], ctx.profile.transport_bytes, ctx.profile.transport_sizes
             )
+            from .transport_engine import run as engine_rows  # it builds on this module
+
+            engine = await engine_rows(ctx, transport)
     finally:
         await transport.close()
     out: dict = {
@@ -265,6 +268,8 @@ async def run(ctx: Context) -> dict:
         "ours_vs_bare_latency": paired_ratio(runs["small ours"], runs["small bare"]),
     }
     out["mooncake"] = "measured" if mooncake else ctx.mooncake_skipped
+    if engine is not None:
+        out["engine"] = engine
     return out
 
 

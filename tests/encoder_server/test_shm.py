@@ -473,7 +473,7 @@ async def test_a_call_unmaps_what_a_gone_server_left_mapped_in_the_receiver(defa
         """A call for one item, its header read as EncoderReceiver reads it."""
         item = pb.ImageItem(index=0, modality=pb.IMAGE, data=image_bytes(224, 224))
         request = pb.EncodeRequest(request_id=request_id, items=[item])
-        take = shm.open_call(request, url)
+        take = shm.open_call(request, url, 1)
         endpoint = EncoderEndpoint.connect(url)
         try:
             responses = [message async for message in endpoint.encode(request, timeout=60)]
@@ -753,10 +753,10 @@ async def test_a_receiver_touches_shared_memory_only_when_a_call_can_use_it(
         assert isinstance(rx._transport, StreamTransport) and set(os.listdir(tmp_path)) == left
     remote = "grpc://192.0.2.1:50051"  # TEST-NET-1: an address of no machine here
     async with EncoderReceiver([remote]) as rx:
-        assert rx._transport.offer(remote) is None  # "auto" offers nothing to another machine
+        assert rx._transport.shm.offer(remote) is None  # "auto" offers no shared memory to another machine
         assert set(os.listdir(tmp_path)) == left
     async with EncoderReceiver([plain_server.url]) as rx:
         assert set(os.listdir(tmp_path)) == left  # "auto": nothing swept, no probe, until a call
         await rx.encode("auto", items(1))  # loopback: the encoder could share this host
-        assert set(os.listdir(tmp_path)) == {rx._transport.probe}  # the dead instance swept, the probe made
+        assert set(os.listdir(tmp_path)) == {rx._transport.shm.probe}  # the dead instance swept, the probe made
     assert os.listdir(tmp_path) == []

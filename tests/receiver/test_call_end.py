@@ -67,7 +67,7 @@ class HeldOpenEncoder:
             for item in request.items:
                 header = self.header(item.index, shm_disabled=offered and shm is None)
                 payload = torch.full((TOKENS, HIDDEN), float(first_value + item.index), dtype=torch.bfloat16)
-                placed = shm is not None and shm.place(header, ItemPayload(header, [payload]))
+                placed = shm is not None and await shm.place(header, ItemPayload(header, [payload]))
                 yield pb.EncodeResponse(header=header).SerializeToString()
                 if not placed:  # no chunks follow a header that announces a segment
                     for chunk in wire.chunk_messages(wire.tensor_bytes(payload)):

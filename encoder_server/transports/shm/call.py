@@ -25,7 +25,7 @@ class ShmCall:
         self._placed: list[tuple[Segment, Path]] = []
         self._handed_over = False
 
-    def place(self, header: pb.ItemHeader, payload: ItemPayload) -> bool:
+    async def place(self, header: pb.ItemHeader, payload: ItemPayload) -> bool:
         """Puts the item's payload in shared memory when it can and says so in `header.shm`; False:
         it goes as chunks."""
         if self._segments is None:

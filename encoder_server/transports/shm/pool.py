@@ -17,6 +17,7 @@ from pathlib import Path
 
 from encoder_common.env_flags import flag
 from encoder_common.shm_files import create_locked, shm_dir, sweep_stale
+from encoder_common.warn_once import WarnOnce
 from protos import encoder_pb2 as pb
 from protos.shm import (
     HEADER_BYTES,
@@ -89,10 +90,12 @@ class ShmSegments:
         self._segments: list[Segment] = []
         self._lock_fd: int | None = None
         self._reaper: asyncio.Task | None = None
-        self._warned: set[str] = set()
+        self._warn_once = WarnOnce(log)
 
     @staticmethod
-    def open_call(segments: ShmSegments | None, request: pb.EncodeRequest | pb.FetchRequest) -> ShmCall | None:
+    def open_call(
+        segments: ShmSegments | None, request: pb.EncodeRequest | pb.FetchRequest, peer: str
+    ) -> ShmCall | None:
         """The call's use of shared memory when its receiver offered it (`segments` None: this server
         runs without --shm-transfer, which the item headers then say); None when it did not."""
         return ShmCall(segments, request) if request.HasField("shm") else None
@@ -306,8 +309,3 @@ class ShmSegments:
                     next_sweep = time.monotonic() + self.config.release_timeout_s
             except OSError as exc:
                 self._warn_once(str(exc), "shared-memory reaper: %s", exc)
-
-    def _warn_once(self, key: str, message: str, *args) -> None:
-        level = logging.DEBUG if key in self._warned else logging.WARNING
-        self._warned.add(key)
-        log.log(level, message, *args)
