@@ -113,8 +113,8 @@ async def encode_shard(
         return failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call", indices)
     call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
     failure = await read_call(endpoint, call, assembler, policy, arrived)
-    if read_placed is not None:
-        transport.end_call(read_placed, complete=failure is None)
+    if assembler.read_placed is not None:
+        transport.end_call(assembler.read_placed, complete=failure is None)
     for index, digest in assembler.digests.items():
         endpoint.held.held(keys[index], digest)
     for index in assembler.not_held:
@@ -189,8 +189,8 @@ async def fetch_shard(
         raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the deadline passed before the call")
     call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
     failure = await read_call(endpoint, call, assembler, policy)
-    if read_placed is not None:
-        transport.end_call(read_placed, complete=failure is None)
+    if assembler.read_placed is not None:
+        transport.end_call(assembler.read_placed, complete=failure is None)
     if failure is not None:
         if failure.code is None:
             raise StreamProtocolError(failure.message)

@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
