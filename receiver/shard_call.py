@@ -10,17 +10,21 @@ from dataclasses import dataclass
 
 import grpc
 
+from encoder_common import tracing
 from encoder_common.errors import SharedMemoryUnavailableError, error_class_for
 from protos import encoder_pb2 as pb
 from protos import wire
 
 from .assembly import Allocator, ShardAssembler, StreamProtocolError
-from .channels import EncoderEndpoint
+from .channels import SERVICE_NAME, EncoderEndpoint
 from .config import FailoverPolicy
 from .errors import ShardError
 from .result import ItemResult
 from .transports import ReceiverTransport
 from .transports.stream import STREAM
+
+ENCODE_METHOD = f"/{SERVICE_NAME}/Encode"
+FETCH_METHOD = f"/{SERVICE_NAME}/Fetch"
 
 
 @dataclass(frozen=True)
@@ -126,8 +130,10 @@ async def encode_shard(
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         return failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call", indices)
-    call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
-    failure = await read_call(endpoint, call, assembler, policy, arrived)
+    with tracing.client_span(ENCODE_METHOD, endpoint.url, {"encoder.items": len(indices)}) as span:
+        call = endpoint.encode(request, timeout=remaining, metadata=tracing.grpc_metadata(endpoint.metadata))
+        failure = await read_call(endpoint, call, assembler, policy, arrived)
+        _ended(span, failure)
     for index, digest in assembler.digests.items():
         endpoint.held.held(keys[index], digest)
     for index in assembler.not_held:
@@ -173,8 +179,10 @@ async def fetch_shard(
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the deadline passed before the call")
-    call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
-    failure = await read_call(endpoint, call, assembler, policy)
+    with tracing.client_span(FETCH_METHOD, endpoint.url, {"encoder.items": len(keys)}) as span:
+        call = endpoint.fetch(request, timeout=remaining, metadata=tracing.grpc_metadata(endpoint.metadata))
+        failure = await read_call(endpoint, call, assembler, policy)
+        _ended(span, failure)
     if failure is not None:
         if failure.code is None:
             raise StreamProtocolError(failure.message)
@@ -192,6 +200,13 @@ async def fetch_shard(
     if missing:
         raise StreamProtocolError(f"Fetch stream from {endpoint.url} ended before items {missing} arrived")
     return [results[i] for i in range(len(keys))]
+
+
+def _ended(span, failure: CallFailure | None) -> None:
+    if failure is None:
+        tracing.rpc_ended(span, grpc.StatusCode.OK)
+    else:
+        tracing.rpc_ended(span, failure.code, failure.message)
 
 
 class StallWatch:

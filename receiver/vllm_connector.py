@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from encoder_common import tracing
+
 from .connector_fetches import ItemFile, SchedulerFetches
 from .item_files import DEFAULT_DIRECTORY
 from .vllm_contract import check_vllm_contract
@@ -82,6 +84,8 @@ class EncoderServiceConnector(ECConnectorBase):
         self.model_dtype = model_config.dtype
         self._scheduler: SchedulerFetches | None = None
         if role == ECConnectorRole.SCHEDULER:
+            if vllm_config.observability_config.otlp_traces_endpoint:  # vLLM set up its tracer provider
+                tracing.use_host_provider()
             urls = transfer_config.get_from_extra_config("encoders", None)
             if not urls or isinstance(urls, str):
                 raise ValueError(
