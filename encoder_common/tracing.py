@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
@@ -45,7 +45,7 @@ class _NoSpan:
 
     __slots__ = ()
 
-    def __enter__(self) -> _NoSpan:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -120,6 +120,7 @@ def configure(service_name: str, endpoint: str | None = None) -> bool:
     Raises ValueError for an exporter or protocol other than OTLP over gRPC.
     """
     global _tracer, _provider, _otel
+    asked = endpoint is not None
     endpoint = endpoint or next((os.environ[v] for v in ENDPOINT_VARIABLES if os.environ.get(v)), None)
     if not endpoint or _env_flag("OTEL_SDK_DISABLED") or os.environ.get("OTEL_TRACES_EXPORTER") == "none":
         return False
@@ -135,8 +136,10 @@ def configure(service_name: str, endpoint: str | None = None) -> bool:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        message = f"tracing needs the tracing extra ({exc.name} is missing): pip install 'encoder-service[tracing]'"
-        if endpoint in (os.environ.get(v) for v in ENDPOINT_VARIABLES):
+        message = (
+            f"tracing needs the tracing extra ({exc.name} is missing): pip install 'encoder-service[tracing]'"
+        )
+        if not asked:
             log.warning("%s; running without tracing", message)
             return False
         raise ImportError(message) from None

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -134,7 +134,9 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
         while not condition(spans := self.spans):
             if time.monotonic() > deadline:
                 names = sorted({(span.service, span.name) for span in spans})
-                raise AssertionError(f"the spans exported in {timeout:g} s do not hold the condition: {names}")
+                raise AssertionError(
+                    f"the spans exported in {timeout:g} s do not hold the condition: {names}"
+                )
             time.sleep(0.05)
         return spans
 
@@ -144,7 +146,7 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
     def stop(self) -> None:
         self._server.stop(grace=None)
 
-    def __enter__(self) -> OtlpCollector:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -153,7 +155,10 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
 
 def load(path: Path) -> list[ExportedSpan]:
     """Spans written by `OtlpCollector.save`."""
-    return [ExportedSpan(**{**span, "events": [tuple(e) for e in span["events"]]}) for span in json.loads(path.read_text())]
+    return [
+        ExportedSpan(**{**span, "events": [tuple(e) for e in span["events"]]})
+        for span in json.loads(path.read_text())
+    ]
 
 
 if __name__ == "__main__":
