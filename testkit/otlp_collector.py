@@ -153,6 +153,23 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
         self.stop()
 
 
+def tree_root(spans: list[ExportedSpan], parent_id: str = "") -> ExportedSpan:
+    """The root of `spans`, checked to be one trace whose parent links form one tree under a span whose
+    parent is `parent_id` (a caller's span outside the trace's exporters, or "" for none)."""
+    assert len({span.trace_id for span in spans}) == 1, "more than one trace id"
+    ids = {span.span_id for span in spans}
+    assert len(ids) == len(spans), "a span id appears twice"
+    roots = [span for span in spans if span.parent_id not in ids]
+    assert len(roots) == 1 and roots[0].parent_id == parent_id, [(r.name, r.parent_id) for r in roots]
+    return roots[0]
+
+
+def children(spans: list[ExportedSpan], parent: ExportedSpan, name: str | None = None) -> list[ExportedSpan]:
+    """The spans whose parent is `parent` (named `name` if given), by start time."""
+    found = [s for s in spans if s.parent_id == parent.span_id and (name is None or s.name == name)]
+    return sorted(found, key=lambda span: span.start_ns)
+
+
 def load(path: Path) -> list[ExportedSpan]:
     """Spans written by `OtlpCollector.save`."""
     return [
