@@ -82,7 +82,7 @@ class ItemSender:
         withheld = lease is not None and lease.withhold_payload
         placed = withheld or transport.place(message.header, payload)
         header = message.SerializeToString()  # once the transport has written where it placed the payload
-        started, started_ns = time.perf_counter(), tracing.now_ns()
+        started = time.perf_counter()
         if placed:
             await self._write((header,))
         else:
@@ -94,18 +94,17 @@ class ItemSender:
                 payload.finish_framing()  # the payload may live on in the cache: not as tensors and chunks
                 raise
         self.charge.release(index)
-        response_bytes = len(header) + (0 if placed else payload.nbytes)
-        self.record.item_sent(message.header, response_bytes=response_bytes, stream_s=time.perf_counter() - started)
-        if tracing.enabled():
+        self.record.item_sent(
+            message.header,
+            response_bytes=len(header) + (0 if placed else payload.nbytes),
+            stream_s=time.perf_counter() - started,
+        )
+        if tracing.enabled():  # an event, not a span: a cached item's call has no other stage to trace
             transfer = "stream" if not placed else "withheld" if withheld else "shm"
-            attributes = {
-                "encoder.item.index": index,
-                "encoder.transfer": transfer,
-                "encoder.payload_bytes": message.header.payload_bytes,
-                "encoder.response_bytes": response_bytes,
-                "encoder.cache_hit": item.cache_hit,
-            }
-            tracing.interval("encoder.send", started_ns, tracing.now_ns(), attributes)
+            tracing.event("encoder.sent", {
+                "encoder.item.index": index, "encoder.transfer": transfer, "encoder.cache_hit": item.cache_hit,
+                "encoder.payload_bytes": message.header.payload_bytes, "encoder.send_ms": (time.perf_counter() - started) * 1000,
+            })  # fmt: skip
 
     async def _write(self, messages: Iterable[bytes]) -> None:
         """Hands `messages` (serialized) to gRPC one after the other, their writes stepped by a
@@ -147,14 +146,17 @@ class ItemSender:
         """Awaits a transfer made outside gRPC (SGLang's ZMQ push of a part), under the watchdog's clock,
         then reports each of its items sent with the bytes it took."""
         self.charge.sending_since = time.monotonic()
-        started, started_ns = time.perf_counter(), tracing.now_ns()
+        started = time.perf_counter()
         await transfer
         self.charge.sending_since = None
         seconds = time.perf_counter() - started
         for header, nbytes in zip(headers, response_bytes):
             self.record.item_sent(header, response_bytes=nbytes, stream_s=seconds)
-        attributes = {"encoder.transfer": "zmq", "encoder.items": len(headers), "encoder.response_bytes": sum(response_bytes)}
-        tracing.interval("encoder.send", started_ns, tracing.now_ns(), attributes)
+        if tracing.enabled():
+            tracing.event("encoder.sent", {
+                "encoder.transfer": "zmq", "encoder.items": len(headers), "encoder.payload_bytes": sum(response_bytes),
+                "encoder.send_ms": seconds * 1000,
+            })  # fmt: skip
 
 
 class PendingWrite:

@@ -25,6 +25,7 @@ def serve(num_tokens: int, hidden_size: int) -> None:
 
     import torch
 
+    from encoder_common import tracing
     from encoder_common.collector import freeze_startup_objects
     from encoder_common.malloc import tune_server_malloc
     from encoder_server.server import EncoderServer
@@ -34,6 +35,7 @@ def serve(num_tokens: int, hidden_size: int) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     tune_server_malloc()  # as the encoder-server CLI does
+    tracing.configure("encoder-server")  # as the CLI does: on when an OTEL endpoint variable names a collector
 
     async def run() -> None:
         config = server_config(REPO_ROOT / "no-checkpoint", dtype=torch.bfloat16, shm=ShmConfig(max_bytes=1 << 30))
