@@ -30,7 +30,8 @@ COPY precompute ./precompute
 COPY receiver ./receiver
 # The server extra: the model stack. The base image's CUDA torch and torchvision (the processors'
 # torchvision backend, which runs preprocessing on the GPU) satisfy those requirements, so pip keeps them.
-RUN pip install --no-cache-dir "./[server]" \
+# The tracing extra: spans exported over OTLP once ENCODER_OTLP_TRACES_ENDPOINT names a collector.
+RUN pip install --no-cache-dir "./[server,tracing]" \
     && python -c "import torch, torchvision, protos.encoder_pb2, encoder_server.server, receiver" \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin encoder
 

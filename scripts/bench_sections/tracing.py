@@ -36,7 +36,13 @@ async def processes(ctx: Context) -> dict:
     starts = {}
     for size, nbytes in SIZES.items():
         for mode in MODES:
-            argv = [sys.executable, "-m", "testkit.fixed_server", str(item_tokens(nbytes)), str(TRANSPORT_HIDDEN)]
+            argv = [
+                sys.executable,
+                "-m",
+                "testkit.fixed_server",
+                str(item_tokens(nbytes)),
+                str(TRANSPORT_HIDDEN),
+            ]
             name = server_name(size, mode)
             starts[name] = children.spawn(name, argv, 1, env=ctx.tracing_env if mode == "on" else None)
     return starts
@@ -94,4 +100,3 @@ async def run(ctx: Context) -> dict:
             "on_vs_off": paired_ratio(on, off),
         }
     return result
-
