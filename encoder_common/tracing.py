@@ -307,7 +307,15 @@ class _TracingInterceptor(grpc.aio.ServerInterceptor):
 def _traced(behavior: Callable, name: str, attributes: dict[str, str]) -> Callable:
     async def traced(request, context: grpc.aio.ServicerContext):
         parent = context_from(context.invocation_metadata())
-        with span(name, kind=SERVER, parent=parent, attributes=attributes) as current:
+        # The status comes from the call's code: the AbortError a refusal raises is no exception of the span's.
+        with _tracer.start_as_current_span(
+            name,
+            context=parent,
+            kind=_otel.kinds[SERVER],
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as current:
             current.set_attribute("network.peer.address", context.peer())
             try:
                 return await behavior(request, context)

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from encoder_common import tracing
-from receiver import EncoderReceiver
+from receiver import EncodeFailedError, EncoderReceiver
 from testkit import REPO_ROOT
 from testkit.images import image_bytes
 from testkit.otlp_collector import OtlpCollector, children, tree_root
@@ -103,7 +103,9 @@ async def test_one_trace_from_the_receiver_through_the_servers_stages(traced, se
     for request_id, computed in (("traced", True), ("again", False)):
         (root,) = [s for s in spans if s.attributes.get("encoder.request_id") == request_id]
         trace = traced.wait_for(
-            lambda spans: sum(s.trace_id == root.trace_id for s in spans) >= (11 if computed else 3)
+            lambda spans, root=root, want=11 if computed else 3: (
+                sum(s.trace_id == root.trace_id for s in spans) >= want
+            )
         )
         trace = traced.trace(root.trace_id)
         assert tree_root(trace) == root and root.name == "receiver.encode"
@@ -140,6 +142,24 @@ async def test_one_trace_from_the_receiver_through_the_servers_stages(traced, se
             assert served.start_ns <= span.start_ns <= span.end_ns <= served.end_ns, span.name
 
 
+async def test_a_refused_item_fails_the_client_span_not_the_servers(traced, server):
+    """INVALID_ARGUMENT is the caller's error: the CLIENT span is ERROR, the SERVER span records the code
+    and stays unset (OpenTelemetry's RPC conventions)."""
+    async with EncoderReceiver([server.url]) as receiver:
+        with pytest.raises(EncodeFailedError):
+            await receiver.encode("refused", [{"data": b"not an image"}])
+    spans = traced.wait_for(
+        lambda spans: any(s.attributes.get("encoder.request_id") == "refused" for s in spans)
+    )
+    (root,) = [s for s in spans if s.attributes.get("encoder.request_id") == "refused"]
+    traced.wait_for(lambda spans: sum(s.trace_id == root.trace_id for s in spans) >= 3)
+    trace = traced.trace(root.trace_id)
+    (client,) = [s for s in trace if s.kind == "CLIENT"]
+    (served,) = children(trace, client, ENCODE)
+    assert client.status == "ERROR" and client.attributes["rpc.grpc.status_code"] == 3
+    assert served.status == "UNSET" and served.attributes["rpc.grpc.status_code"] == 3
+
+
 async def test_sampling_follows_otel_traces_sampler(otel_env, collector, default_model_dir):
     otel_env.setenv("OTEL_TRACES_SAMPLER", "always_off")
     before = len(collector.spans)
@@ -165,8 +185,7 @@ async def test_the_gateway_joins_the_callers_trace_and_passes_it_to_the_engine(
     app.router.add_post("/v1/chat/completions", engine_chat)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     engine_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     trace_id, caller = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     try:
@@ -206,7 +225,7 @@ if {block}:
 from encoder_common import tracing
 from gateway.app import build_app
 from gateway.config import GatewayConfig
-from receiver import EncoderReceiver
+from receiver import EncodeFailedError, EncoderReceiver
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.servers import running_server
