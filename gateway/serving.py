@@ -158,7 +158,7 @@ class ChatCompletionsService:
         family = family_of(served)
         if family is None:  # the start-up check did not run (encoders down then) and would have refused it
             raise GatewayError(502, f"the encoders serve family {served!r}, which this gateway does not know")
-        with tracing.span("gateway.handoff", attributes={"encoder.family": family}):
+        with tracing.span("gateway.handoff", attributes={"encoder.family": served}):
             new_parts = await handoff.content_parts(request_id, result, family=family, images=images)
         self.metrics.encoded(len(parts), encoded - started, time.perf_counter() - encoded)
         return replace_parts(body, dict(zip(parts, new_parts)))

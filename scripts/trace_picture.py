@@ -25,7 +25,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # this checkout's packages, not an installed copy
 
-from testkit.otlp_collector import ExportedSpan, OtlpCollector, load  # noqa: E402
+from testkit.otlp_collector import ExportedSpan, OtlpCollector, load
 
 SIZES = [(448, 336), (224, 224), (336, 448), (112, 224)]
 
@@ -109,6 +109,7 @@ def tree_order(spans: list[ExportedSpan]) -> list[tuple[int, ExportedSpan]]:
 
 
 def draw(spans: list[ExportedSpan], path: Path) -> None:
+    """Two panels on one time axis each: the whole request, and its encode (up to the engine call)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,25 +117,46 @@ def draw(spans: list[ExportedSpan], path: Path) -> None:
 
     rows = tree_order(spans)
     start = min(span.start_ns for span in spans)
+    engine_call = min((s.start_ns for s in spans if s.kind == "CLIENT" and s.name == "POST"), default=None)
     services = sorted({span.service for span in spans})
     colours = dict(zip(services, plt.get_cmap("tab10").colors))
-    fig, ax = plt.subplots(figsize=(12, 0.32 * len(rows) + 1.2))
-    for y, (depth, span) in enumerate(rows):
-        left, width = (span.start_ns - start) / 1e6, max((span.end_ns - span.start_ns) / 1e6, 0.05)
-        ax.barh(y, width, left=left, color=colours[span.service], edgecolor="black", linewidth=0.3)
-        label = "  " * depth + span.name + ("  [ERROR]" if span.status == "ERROR" else "")
-        ax.text(-0.01, y, label, transform=ax.get_yaxis_transform(), ha="right", va="center", fontsize=7)
-        for _, at_ns, _attributes in span.events:
-            ax.plot((at_ns - start) / 1e6, y, marker="|", color="black", markersize=8)
-    ax.set_yticks([])
-    ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlabel("ms since the gateway received the request (| : an event, e.g. an item sent)")
+    fig, axes = plt.subplots(
+        1, 2, figsize=(14, 0.3 * len(rows) + 1.4), sharey=True, gridspec_kw={"width_ratios": [1, 2]}
+    )
+    for ax in axes:
+        for y, (_, span) in enumerate(rows):
+            left, width = (span.start_ns - start) / 1e6, (span.end_ns - span.start_ns) / 1e6
+            ax.barh(
+                y, max(width, 0.2), left=left, color=colours[span.service], edgecolor="black", linewidth=0.3
+            )
+            for _, at_ns, _attributes in span.events:
+                ax.plot((at_ns - start) / 1e6, y, marker="|", color="black", markersize=9)
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.grid(axis="x", linewidth=0.3)
+    whole, encode = axes
+    whole.set_yticks(
+        range(len(rows)), [_label(depth, span) for depth, span in rows], fontsize=7, family="monospace"
+    )
+    for tick in whole.get_yticklabels():
+        tick.set_horizontalalignment("left")
+    whole.tick_params(axis="y", pad=230)
+    whole.set_title("the whole request", fontsize=9)
+    whole.set_xlabel("ms since the gateway received it")
+    if engine_call is not None:
+        encode.set_xlim(0, (engine_call - start) / 1e6 * 1.1)
+    encode.set_title("its encode, up to the engine call (|: an event, e.g. an item sent)", fontsize=9)
+    encode.set_xlabel("ms since the gateway received it")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[s]) for s in services]
-    ax.legend(handles, services, loc="lower right", fontsize=7)
-    ax.set_title("One chat request: encoder-gateway, the receiver, two encoder servers and vLLM", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.legend(handles, services, loc="lower center", ncol=len(services), fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def _label(depth: int, span: ExportedSpan) -> str:
+    index = span.attributes.get("encoder.item.index")
+    item = f" [item {index}]" if index is not None else ""
+    return "  " * depth + span.name + item + (" ERROR" if span.status == "ERROR" else "")
 
 
 def main() -> None:
