@@ -141,8 +141,11 @@ def section_rows(results: dict) -> list[Row]:
     if "tracing" in results:
         for size in ("7MiB", "small"):
             r = results["tracing"][size]
+            cpu = r["cpu_us_per_call"]
             rows.append((f"tracing {size} cached, one call", f"on {r['on_ms']:.2f} ms", f"off {r['off_ms']:.2f} ms",
                          f"{r['on_vs_off']:.3f}x"))  # fmt: skip
+            rows.append((f"  CPU per call {size} (both sides)", f"on {cpu['on']:.0f} us", f"off {cpu['off']:.0f} us",
+                         f"+{cpu['on'] - cpu['off']:.0f} us"))  # fmt: skip
     if "image_sizes" in results:
         for size, r in results["image_sizes"]["sizes"].items():
             rows.append((f"images {size}", f"{r['images_per_s']:.2f} img/s",

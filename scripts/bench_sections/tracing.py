@@ -9,7 +9,7 @@ import sys
 import time
 
 from encoder_common import tracing
-from testkit.bench_harness import interleaved, median, paired_ratio
+from testkit.bench_harness import interleaved, median, paired_ratio, process_cpu_seconds
 
 from .context import Context
 from .profile import MiB
@@ -66,21 +66,28 @@ async def run(ctx: Context) -> dict:
     }
     calls = {"7MiB": max(4, p.transport_bytes // (7 * MiB))}
     calls["small"] = SMALL_CALLS_PER_LARGE * calls["7MiB"]
+    # CPU time of the receiver's process and the server's over the timed blocks: what tracing adds to the
+    # work, which a loaded machine's latencies blur.
+    cpu_seconds = {(size, mode): 0.0 for size in SIZES for mode in MODES}
 
     def measure(size: str, mode: str):
         async def one_round() -> float:
             """The mean seconds of one call over a block of calls, tracing as `mode` says. Tracing is
             configured before the block and its remaining spans flushed after it; inside the block the
             exports run as they would in a long-lived process, every EXPORT_DELAY_MS."""
-            receiver = receivers[size, mode]
+            receiver, pids = (
+                receivers[size, mode],
+                (os.getpid(), ctx.servers[server_name(size, mode)].process.pid),
+            )
             if mode == "on":
                 tracing.configure("bench-receiver", endpoint)
             try:
-                started = time.perf_counter()
+                cpu, started = process_cpu_seconds(*pids), time.perf_counter()
                 for _ in range(calls[size]):
                     (item,) = (await receiver.encode("bench-tracing", [{"data": image}])).items
                     assert item.cache_hit
                 seconds = time.perf_counter() - started
+                cpu_seconds[size, mode] += process_cpu_seconds(*pids) - cpu
             finally:
                 tracing.shutdown()
             return seconds / calls[size]
@@ -105,5 +112,8 @@ async def run(ctx: Context) -> dict:
             "on_ms": median(on) * 1000,  # a block's mean, the median over rounds
             "off_ms": median(off) * 1000,
             "on_vs_off": paired_ratio(on, off),
+            "cpu_us_per_call": {
+                mode: cpu_seconds[size, mode] / (calls[size] * p.transport_rounds) * 1e6 for mode in MODES
+            },
         }
     return result
