@@ -36,8 +36,9 @@ RUN apt-get update \
 # The server extra: the model stack. The base image's CUDA torch and torchvision (the processors'
 # torchvision backend, which runs preprocessing on the GPU) satisfy those requirements, so pip keeps them.
 # The store extra: the client of the fleet-wide embedding store (--store-url); the mooncake extra: the
-# transfer engine.
-RUN pip install --no-cache-dir "./[server,store,mooncake]" \
+# transfer engine; the tracing extra: spans exported over OTLP once ENCODER_OTLP_TRACES_ENDPOINT names a
+# collector.
+RUN pip install --no-cache-dir "./[server,store,mooncake,tracing]" \
     && python -c "import torch, torchvision, protos.encoder_pb2, encoder_server.server, receiver, mooncake.engine" \
     && useradd --create-home --uid 10001 --shell /usr/sbin/nologin encoder
 

@@ -62,6 +62,7 @@ class TimedEmbedding:
     queue_ms: float
     forward_ms: float
     batch_size: int
+    batch_tokens: int  # the embedding rows of the whole batch
 
 
 @dataclass(eq=False)  # compared by identity: the queue removes exactly this entry
@@ -260,9 +261,10 @@ class Batcher:
                 self._meter.forward(seconds, len(batch), self._running_patches)
                 self._running_patches = 0
         forward_ms = seconds * 1000
+        tokens = sum(p.prepared.num_tokens for p in batch)
         for p, output in zip(batch, outputs):
             queue_ms = (start - p.enqueued) * 1000
-            _resolve(p.future, result=TimedEmbedding(output, queue_ms, forward_ms, len(batch)))
+            _resolve(p.future, result=TimedEmbedding(output, queue_ms, forward_ms, len(batch), tokens))
 
     def _encode(self, batch: list[_Pending]) -> list[ImageEmbedding]:
         try:

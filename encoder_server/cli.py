@@ -7,17 +7,20 @@ import argparse
 import logging
 import sys
 
+from encoder_common import tracing
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
 from encoder_common.extras import require_extra
 from encoder_common.malloc import tune_server_malloc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """One flag per ServerConfig setting (defaults and help from its fields), and --log-level."""
+    """One flag per ServerConfig setting (defaults and help from its fields), --otlp-traces-endpoint and
+    --log-level."""
     from .config import ServerConfig  # imports pillow: after main's check for the server extra
 
     p = EnvDefaultsParser(prog="encoder-server", env_prefix="ENCODER_", description="Serve a VLM's vision tower over gRPC.")
     add_config_flags(p, ServerConfig)
+    tracing.add_flag(p)
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
@@ -48,10 +51,13 @@ def main(argv: list[str] | None = None) -> None:
             check_vllm()
         except VllmBackendError as exc:
             raise SystemExit(f"encoder-server: {exc}") from None
+    tracing.configure_from_args(args, "encoder-server")
     try:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
+    finally:
+        tracing.shutdown()  # the spans not exported yet
 
 
 if __name__ == "__main__":

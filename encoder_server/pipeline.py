@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import replace
 
+from encoder_common import tracing
 from encoder_common.digests import DigestMemo
 from encoder_common.errors import InvalidItemError, OverloadedError
 from encoder_common.sources import SourceReader
 from protos import encoder_pb2 as pb
 
-from .batcher import Batcher
+from .batcher import Batcher, TimedEmbedding
 from .cache import EmbeddingCache, cache_namespace, content_key
 from .config import ServerConfig
 from .models import PreparedImage, VisionEncoder
@@ -130,7 +131,8 @@ class ItemPipeline:
             if source == "data":
                 data = item.data if image is None else image  # each access of `item.data` copies it
             elif source == "url":
-                data = await self.sources.read(item.url)
+                with tracing.span("encoder.fetch_image", attributes={"encoder.item.index": item.index}):
+                    data = await self.sources.read(item.url)
             elif item.content_sha256:
                 yield self._referenced(item)
                 return
@@ -209,7 +211,7 @@ class ItemPipeline:
         async with self._prepare_slots:
             started = time.perf_counter()
             try:
-                prepared = await loop.run_in_executor(self.preprocess_pool, self._prepare, data)
+                prepared = await loop.run_in_executor(self.preprocess_pool, tracing.in_context(self._prepare), data)
                 preprocess_ms = (time.perf_counter() - started) * 1000
                 pixels, spec = prepared.pixel_values, self.encoder.spec
                 output = (1 + spec.num_deepstack_layers) * prepared.num_tokens * spec.hidden_size
@@ -221,17 +223,22 @@ class ItemPipeline:
                 if isinstance(exc, asyncio.CancelledError):  # its call went away before the item reached the queue
                     self.batcher.item_cancelled_before_queue()
                 raise
+        submitted_ns = tracing.now_ns()
         (future,) = self.batcher.submit([prepared])
         admission.done()  # it counts in the batcher's queue now
         encoded = await future
+        if tracing.enabled():
+            _trace_batch(submitted_ns, encoded)
         return ItemPayload.build(prepared, encoded, preprocess_ms)
 
     def _prepare(self, data: bytes) -> PreparedImage:
         """Bytes to pixel values as the profile's engine makes them, on a preprocessing thread."""
         config = self.config
-        image = self.profile.decode(data, max_pixels=config.max_image_pixels, max_aspect_ratio=config.max_aspect_ratio)
+        with tracing.span("encoder.decode", attributes={"encoder.image_bytes": len(data)}):
+            image = self.profile.decode(data, max_pixels=config.max_image_pixels, max_aspect_ratio=config.max_aspect_ratio)
         try:
-            return replace(self.encoder.preprocess(image, self.profile), image_size=image.size)
+            with tracing.span("encoder.preprocess"):
+                return replace(self.encoder.preprocess(image, self.profile), image_size=image.size)
         except ValueError as exc:  # the processor's own refusals (sizes, ratios) of a decodable image
             raise InvalidItemError(f"the image processor refused it: {exc}") from None
 
@@ -269,3 +276,14 @@ class _Admission:
         if self.pending:
             self.pending = False
             self.pipeline._preprocessing -= 1
+
+
+def _trace_batch(submitted_ns: int, encoded: TimedEmbedding) -> None:
+    """An item's wait in the batcher's queue and its batch's forward, as spans timed by the batcher."""
+    forward_ns = submitted_ns + int(encoded.queue_ms * 1e6)
+    tracing.interval("encoder.queue", submitted_ns, forward_ns, {})
+    attributes = {
+        "encoder.batch.size": encoded.batch_size,
+        "encoder.batch.tokens": encoded.batch_tokens,
+    }
+    tracing.interval("encoder.forward", forward_ns, forward_ns + int(encoded.forward_ms * 1e6), attributes)

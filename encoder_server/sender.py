@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from encoder_common import tracing
 from encoder_common.errors import OverloadedError
 from protos import encoder_pb2 as pb
 
@@ -139,6 +140,12 @@ class ItemSender:
             response_bytes=len(header) + (0 if placed else payload.nbytes),
             stream_s=time.perf_counter() - started,
         )
+        if tracing.enabled():  # an event, not a span: a cached item's call has no other stage to trace
+            transfer = "stream" if not placed else "withheld" if withheld else "shm"
+            tracing.event("encoder.sent", {
+                "encoder.item.index": index, "encoder.transfer": transfer, "encoder.cache_hit": item.cache_hit,
+                "encoder.payload_bytes": message.header.payload_bytes, "encoder.send_ms": (time.perf_counter() - started) * 1000,
+            })  # fmt: skip
 
     async def _write(self, messages: Iterable[bytes]) -> None:
         """Hands `messages` (serialized) to gRPC one after the other, their writes stepped by a
@@ -186,6 +193,11 @@ class ItemSender:
         seconds = time.perf_counter() - started
         for header, nbytes in zip(headers, response_bytes):
             self.record.item_sent(header, response_bytes=nbytes, stream_s=seconds)
+        if tracing.enabled():
+            tracing.event("encoder.sent", {
+                "encoder.transfer": "zmq", "encoder.items": len(headers), "encoder.payload_bytes": sum(response_bytes),
+                "encoder.send_ms": seconds * 1000,
+            })  # fmt: skip
 
 
 class PendingWrite:

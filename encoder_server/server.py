@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from PIL import Image
 
+from encoder_common import tracing
 from encoder_common.collector import freeze_startup_objects
 from protos import encoder_pb2 as pb
 
@@ -176,12 +177,14 @@ class EncoderServer:
         return server
 
     def _interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """The bearer-token check, when configured (the drain gate guards the handlers themselves)."""
+        """The encoding services' spans while tracing is on, and the bearer-token check, when configured
+        (the drain gate guards the handlers themselves)."""
         config = self.config
+        traced = tracing.server_interceptors(self._services())
         if not config.auth_token_file:
-            return []
+            return traced
         tokens = read_token_file(config.auth_token_file)
-        return [BearerTokenInterceptor(tokens, protect_health=config.auth_protect_health)]
+        return [*traced, BearerTokenInterceptor(tokens, protect_health=config.auth_protect_health)]
 
     def _serve_metrics(self) -> None:
         if self.config.metrics_port is not None:

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from encoder_common import tracing
 from encoder_common.sources import SourceReader
 from encoder_common.vllm_releases import SUPPORTED_VLLM, in_supported_range
 from receiver import EncoderError, EncoderReceiver
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 SERVICE = web.AppKey("service", ChatCompletionsService)
 CONFIG = web.AppKey("config", GatewayConfig)
 _PROBE_TIMEOUT_S = 2.0
+_TRACED_ROUTES = ("/v1/chat/completions", "/v1/models")
 # Hop-by-hop and framing headers are the gateway's own to set.
 _NOT_FORWARDED = {
     "content-length",
@@ -50,22 +52,51 @@ def _forwarded_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
 async def _forward(
     request: web.Request, service: ChatCompletionsService, path: str, body: Any, method: str
 ) -> web.StreamResponse:
-    """Sends `body` to the engine and relays its answer: status and body as they are, chunks as they arrive."""
-    try:
-        upstream = await service.engine_request(path, body, method)
-    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-        raise engine_unreachable(service.engine_url, exc) from None
-    try:
-        response = web.StreamResponse(status=upstream.status, headers=_forwarded_headers(upstream))
-        await response.prepare(request)
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-        await response.write_eof()
-    except BaseException:
-        upstream.close()  # also on cancellation: closing the connection makes the engine abort the request
-        raise
-    upstream.release()  # read to the end: the connection goes back to the pool
+    """Sends `body` to the engine and relays its answer: status and body as they are, chunks as they arrive.
+    The engine call is a CLIENT span whose context goes with it (vLLM joins its `traceparent`)."""
+    url = f"{service.engine_url}{path}"
+    attributes = {"http.request.method": method, "url.full": url}
+    with tracing.span(method, kind=tracing.CLIENT, attributes=attributes) as span:
+        try:
+            upstream = await service.engine_request(path, body, method)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise engine_unreachable(service.engine_url, exc) from None
+        span.set_attribute("http.response.status_code", upstream.status)
+        try:
+            response = web.StreamResponse(status=upstream.status, headers=_forwarded_headers(upstream))
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+        except BaseException:
+            upstream.close()  # also on cancellation: closing the connection makes the engine abort the request
+            raise
+        upstream.release()  # read to the end: the connection goes back to the pool
     return response
+
+
+@web.middleware
+async def _traced(request: web.Request, handler) -> web.StreamResponse:
+    """A SERVER span per request to the engine's routes, joined to the caller's `traceparent`; installed
+    only while tracing is on."""
+    if request.path not in _TRACED_ROUTES:
+        return await handler(request)
+    attributes = {
+        "http.request.method": request.method,
+        "http.route": request.path,
+        "url.path": request.path,
+        "url.scheme": request.scheme,
+        "server.address": request.host,
+        "client.address": request.remote or "",
+    }
+    parent = tracing.context_from(request.headers)
+    name = f"{request.method} {request.path}"
+    with tracing.span(name, kind=tracing.SERVER, parent=parent, attributes=attributes) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            tracing.failed(span, f"HTTP {response.status}")
+        return response
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -177,7 +208,10 @@ async def _check_engine_release(session: aiohttp.ClientSession, engine_url: str)
 
 def build_app(config: GatewayConfig, *, handoff: Handoff | None = None) -> web.Application:
     """The gateway application; the receiver and the engine client open on start-up, close on clean-up."""
-    app = web.Application(client_max_size=256 << 20)  # requests may carry images and embeddings inline
+    app = web.Application(
+        client_max_size=256 << 20,  # requests may carry images and embeddings inline
+        middlewares=[_traced] if tracing.enabled() else [],
+    )
     app[CONFIG] = config
 
     async def lifecycle(app: web.Application):

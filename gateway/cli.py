@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from encoder_common import env_flags
+from encoder_common import env_flags, tracing
 from encoder_common.collector import freeze_startup_objects
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags
 from encoder_common.extras import require_extra
@@ -22,7 +22,7 @@ ENV_PREFIX = "ENCODER_GATEWAY_"
 
 def build_parser() -> EnvDefaultsParser:
     """One flag per GatewayConfig setting (defaults and help from its fields), then the files the TLS
-    credentials and the token are read from, and --log-level."""
+    credentials and the token are read from, --otlp-traces-endpoint and --log-level."""
     p = EnvDefaultsParser(
         prog="encoder-gateway",
         env_prefix=ENV_PREFIX,
@@ -31,6 +31,7 @@ def build_parser() -> EnvDefaultsParser:
     )
     add_config_flags(p, GatewayConfig)
     add_credential_flags(p)
+    tracing.add_flag(p)
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p
 
@@ -64,11 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    tracing.configure_from_args(args, "encoder-gateway")
     try:
         asyncio.run(serve(config_from_args(args)))
     except (ValueError, OSError) as exc:  # a family vLLM cannot take, an unreadable TLS file, a busy port
         print(f"encoder-gateway: {exc}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        tracing.shutdown()  # the spans not exported yet
 
 
 if __name__ == "__main__":

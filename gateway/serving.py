@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import grpc
 
+from encoder_common import tracing
 from encoder_common.errors import EncoderError, InvalidItemError, http_status_for_code
 from encoder_common.families import family_of
 from encoder_common.sources import SourceReader
@@ -141,7 +142,8 @@ class ChatCompletionsService:
         handoff = self.handoff.for_request(body)
         started = time.perf_counter()
         try:
-            images = await asyncio.gather(*(self._part_bytes(part) for part in parts))
+            with tracing.span("gateway.read_images", attributes={"encoder.items": len(parts)}):
+                images = await asyncio.gather(*(self._part_bytes(part) for part in parts))
             result = await self.receiver.encode(
                 request_id,
                 [{"modality": "image", "data": data} for data in images],
@@ -156,13 +158,14 @@ class ChatCompletionsService:
         family = family_of(served)
         if family is None:  # the start-up check did not run (encoders down then) and would have refused it
             raise GatewayError(502, f"the encoders serve family {served!r}, which this gateway does not know")
-        new_parts = await handoff.content_parts(request_id, result, family=family, images=images)
+        with tracing.span("gateway.handoff", attributes={"encoder.family": served}):
+            new_parts = await handoff.content_parts(request_id, result, family=family, images=images)
         self.metrics.encoded(len(parts), encoded - started, time.perf_counter() - encoded)
         return replace_parts(body, dict(zip(parts, new_parts)))
 
     def engine_request(self, path: str, body: Mapping[str, Any] | None = None, method: str = "POST"):
         """The engine call: awaiting it gives the engine's response once its headers arrive."""
-        return self.session.request(method, f"{self.engine_url}{path}", json=body)
+        return self.session.request(method, f"{self.engine_url}{path}", json=body, headers=tracing.http_headers())
 
 
 def engine_unreachable(engine_url: str, exc: BaseException) -> GatewayError:

@@ -11,6 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
+from encoder_common import tracing
 from encoder_common.env_flags import EnvDefaultsParser, add_config_flags, config_from_args
 from encoder_common.malloc import tune_malloc
 
@@ -20,8 +21,8 @@ ENV_PREFIX = "ENCODER_CLIENT_"
 
 
 def build_parser() -> EnvDefaultsParser:
-    """The images and what to do with them, then one flag per ReceiverConfig setting and the credential
-    files."""
+    """The images and what to do with them, then one flag per ReceiverConfig setting, the credential
+    files and --otlp-traces-endpoint."""
     p = EnvDefaultsParser(
         prog="encoder-client",
         env_prefix=ENV_PREFIX,
@@ -39,6 +40,7 @@ def build_parser() -> EnvDefaultsParser:
     p.add_argument("--log-level", default="WARNING", help="logging level")
     add_config_flags(p, ReceiverConfig)
     add_credential_flags(p)
+    tracing.add_flag(p)
     return p
 
 
@@ -102,11 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     tune_malloc()  # embeddings of a megabyte and more arrive here: see encoder_common.malloc
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing.configure_from_args(args, "encoder-client")
     try:
         sys.exit(asyncio.run(run(args)))
     except (ValueError, OSError) as exc:  # a bad URL or an unreadable file: no traceback
         print(f"encoder-client: {exc}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        tracing.shutdown()  # the spans not exported yet
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from encoder_common import tracing
 from protos import encoder_pb2 as pb
 
 from .config import ReceiverConfig
@@ -130,17 +131,19 @@ class EncoderReceiver:
         if withhold_payloads and lease_ms is None:
             raise ValueError("withhold_payloads needs a lease (lease_ms): a withheld payload is only had by Fetch")
         lease = pb.Lease(ttl_ms=lease_ms, withhold_payload=withhold_payloads) if lease_ms is not None else None
-        check_items(items)
-        started = time.perf_counter()
-        results: dict[int, ItemResult] = {}
-        try:
-            results, sources = await sort_items(self._served, items, self.config.file_roots)
-            deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
-            job = EncodeJob(request_id, deadline, results, num_items_assigned, lease)
-            await encode_items(self._fleet, self.cache, job, sources)
-        finally:
-            done = len(results) == len(items)
-            self.metrics.request_done(time.perf_counter() - started, list(results.values()) if done else None)
+        attributes = {"encoder.request_id": request_id, "encoder.items": len(items), "encoder.placement": self.config.placement}
+        with tracing.span("receiver.encode", attributes=attributes):
+            check_items(items)
+            started = time.perf_counter()
+            results: dict[int, ItemResult] = {}
+            try:
+                results, sources = await sort_items(self._served, items, self.config.file_roots)
+                deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
+                job = EncodeJob(request_id, deadline, results, num_items_assigned, lease)
+                await encode_items(self._fleet, self.cache, job, sources)
+            finally:
+                done = len(results) == len(items)
+                self.metrics.request_done(time.perf_counter() - started, list(results.values()) if done else None)
         return EncodeResult(request_id, [results[i] for i in range(len(items))])
 
     async def fetch(
@@ -155,10 +158,11 @@ class EncoderReceiver:
         """A leased item (see `encode(lease_ms=...)`) by its key, received into a tensor from `allocate`.
         Asks `prefer_url` first (the encoder that encoded it), then the others; raises
         receiver.fleet.fetch.FetchFailedError, with each encoder's answer, when none streams it."""
-        endpoints = await self._fleet.pool.endpoints()
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
-        return await fetch_leased(
-            endpoints, request_id, key, deadline=deadline, prefer_url=prefer_url, policy=self.config.failover,
-            transport=self._transport, allocate=allocate,
-        )  # fmt: skip
+        with tracing.span("receiver.fleet.fetch", attributes={"encoder.request_id": request_id}):
+            endpoints = await self._fleet.pool.endpoints()
+            deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
+            return await fetch_leased(
+                endpoints, request_id, key, deadline=deadline, prefer_url=prefer_url, policy=self.config.failover,
+                transport=self._transport, allocate=allocate,
+            )  # fmt: skip
 

@@ -3,7 +3,7 @@
 Sections: transport (the gRPC stream and same-host shared memory vs bare grpcio, pyzmq raw frames,
 memcpy and, when installed, Mooncake's TCP transfer engine), serving overhead (a server vs the same
 model in-process), batching (on vs off, 16 clients), scale-out (2 encoder processes vs 1), cache (hit
-vs miss) and images/s by image size. Prints a table, writes JSON (--json). `--quick` is the short CI
+vs miss), images/s by image size and tracing (on, every request sampled, vs off). Prints a table, writes JSON (--json). `--quick` is the short CI
 run; `--device cuda` runs the real-size Qwen2.5-VL tower (random weights) on a GPU.
 
     python scripts/bench.py --json bench.json
@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO_ROOT))  # this checkout's packages, not an installed
 
 import grpc
 import torch
-from bench_sections import batching, cache, image_sizes, scale_out, serving, transport
+from bench_sections import batching, cache, image_sizes, scale_out, serving, tracing, transport
 from bench_sections.context import Children, Context, start_processes
 from bench_sections.profile import Profile, profile_for
 from bench_sections.report import goals, table
@@ -43,6 +43,7 @@ RUNNERS = {  # section -> its run(ctx) -> the section's JSON dict, in the order 
     "scale_out": scale_out.run,
     "cache": cache.run,
     "image_sizes": image_sizes.run,
+    "tracing": tracing.run,
 }
 SECTIONS = tuple(RUNNERS)
 

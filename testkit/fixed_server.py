@@ -29,6 +29,7 @@ def serve(
 
     import torch
 
+    from encoder_common import tracing
     from encoder_common.collector import freeze_startup_objects
     from encoder_common.malloc import tune_server_malloc
     from encoder_server.server import EncoderServer
@@ -39,6 +40,7 @@ def serve(
 
     logging.basicConfig(level=logging.WARNING)
     tune_server_malloc()  # as the encoder-server CLI does
+    tracing.configure("encoder-server")  # as the CLI does: on when an OTEL endpoint variable names a collector
 
     async def run() -> None:
         config = server_config(

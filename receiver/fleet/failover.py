@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from encoder_common import tracing
 from encoder_common.errors import Failover
 from protos import encoder_pb2 as pb
 
@@ -219,6 +220,10 @@ class FailoverRun:
             return
         fleet.shard_failed(error)
         retry = self.placement.shard_failed(error)  # raises when the request cannot succeed
+        tracing.event("receiver.back_off" if retry.failover is Failover.BACK_OFF else "receiver.fleet.failover", {
+            "encoder.url": encoder.url, "encoder.status": error.status, "encoder.message": error.message,
+            "encoder.items": len(retry.item_indices), "encoder.delay_s": retry.delay_s,
+        })  # fmt: skip
         if retry.failover is Failover.BACK_OFF:  # overloaded is not broken: not benched for others
             fleet.metrics.retry(encoder.url, len(retry.item_indices))
             timer = asyncio.sleep(retry.delay_s, result=retry.item_indices)

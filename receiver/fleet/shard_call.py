@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from encoder_common import tracing
 from encoder_common.errors import TransferUnavailableError, error_class_for
 from protos import encoder_pb2 as pb
 from protos import wire
@@ -20,7 +21,10 @@ from ..embeddings.result import ItemResult
 from ..errors import ShardError
 from ..transports import ReceiverTransport
 from ..transports.stream import STREAM
-from .channels import EncoderEndpoint
+from .channels import SERVICE_NAME, EncoderEndpoint
+
+ENCODE_METHOD = f"/{SERVICE_NAME}/Encode"
+FETCH_METHOD = f"/{SERVICE_NAME}/Fetch"
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,10 @@ async def encode_shard(
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         return failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the call", indices)
-    call = endpoint.encode(request, timeout=remaining, metadata=endpoint.metadata)
-    failure = await read_call(endpoint, call, assembler, policy, arrived)
+    with tracing.client_span(ENCODE_METHOD, endpoint.url, {"encoder.items": len(indices)}) as span:
+        call = endpoint.encode(request, timeout=remaining, metadata=tracing.grpc_metadata(endpoint.metadata))
+        failure = await read_call(endpoint, call, assembler, policy, arrived)
+        _ended(span, failure)
     if assembler.read_placed is not None:
         transport.end_call(assembler.read_placed, complete=failure is None)
     for index, digest in assembler.digests.items():
@@ -187,8 +193,10 @@ async def fetch_shard(
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED)("the deadline passed before the call")
-    call = endpoint.fetch(request, timeout=remaining, metadata=endpoint.metadata)
-    failure = await read_call(endpoint, call, assembler, policy)
+    with tracing.client_span(FETCH_METHOD, endpoint.url, {"encoder.items": len(keys)}) as span:
+        call = endpoint.fetch(request, timeout=remaining, metadata=tracing.grpc_metadata(endpoint.metadata))
+        failure = await read_call(endpoint, call, assembler, policy)
+        _ended(span, failure)
     if assembler.read_placed is not None:
         transport.end_call(assembler.read_placed, complete=failure is None)
     if failure is not None:
@@ -208,6 +216,13 @@ async def fetch_shard(
     if missing:
         raise StreamProtocolError(f"Fetch stream from {endpoint.url} ended before items {missing} arrived")
     return [results[i] for i in range(len(keys))]
+
+
+def _ended(span, failure: CallFailure | None) -> None:
+    if failure is None:
+        tracing.rpc_ended(span, grpc.StatusCode.OK)
+    else:
+        tracing.rpc_ended(span, failure.code, failure.message)
 
 
 class StallWatch:

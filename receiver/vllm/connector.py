@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from encoder_common import tracing
+
 from ..config import ReceiverConfig, config_from_mapping
 from .contract import check_vllm_contract
 from .fetches import ItemFile, SchedulerFetches
@@ -106,6 +108,8 @@ class EncoderServiceConnector(ECConnectorBase):
         self.model_dtype = model_config.dtype
         self._scheduler: SchedulerFetches | None = None
         if role == ECConnectorRole.SCHEDULER:
+            if vllm_config.observability_config.otlp_traces_endpoint:  # vLLM set up its tracer provider
+                tracing.use_host_provider()
             self._scheduler = SchedulerFetches(
                 self.directory,
                 list(settings.encoders),

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from encoder_common import tracing
+
 from ..client import EncoderReceiver
 from ..config import ReceiverConfig
 from ..fleet.fetch import UUID_PREFIX, lease_key
@@ -166,21 +168,26 @@ class SchedulerFetches:
             return item
         hints = (request.ec_transfer_params or {}).get("encoder_urls") or {}
         prefer = hints.get(feature.identifier) if isinstance(hints, dict) else None
+        # The fetch is a span of the request's trace where vLLM carries one (--otlp-traces-endpoint).
+        trace = tracing.context_from(request.trace_headers)
+        embeds = feature.mm_position.get_num_embeds()
         item.future = asyncio.run_coroutine_threadsafe(
-            self._fetch(item, key, position_embeds=feature.mm_position.get_num_embeds(), prefer=prefer),
-            self._loop,
+            self._fetch(item, key, position_embeds=embeds, prefer=prefer, trace=trace), self._loop
         )
         return item
 
-    async def _fetch(self, item: _Item, key: bytes, *, position_embeds: int, prefer: str | None) -> None:
+    async def _fetch(
+        self, item: _Item, key: bytes, *, position_embeds: int, prefer: str | None, trace: Any = None
+    ) -> None:
         path = new_item_path(self.directory, _FILE_PREFIX)
         try:
-            result = await self._receiver.fetch(
-                f"vllm-{key.hex()[:16]}",
-                key,
-                prefer_url=prefer,
-                allocate=lambda shape, dtype: create_item_file(path, shape, dtype),
-            )
+            with tracing.span("connector.fetch", parent=trace, attributes={"encoder.item": item.identifier}):
+                result = await self._receiver.fetch(
+                    f"vllm-{key.hex()[:16]}",
+                    key,
+                    prefer_url=prefer,
+                    allocate=lambda shape, dtype: create_item_file(path, shape, dtype),
+                )
             levels = 0 if result.deepstack is None else result.deepstack.shape[0]
             sent = (result.num_tokens, result.hidden_size, levels)
             room = (position_embeds, self.hidden_size, self.deepstack_levels)

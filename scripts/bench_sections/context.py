@@ -38,8 +38,10 @@ class Children:
         self.timeout = timeout
         self.started: list[LaunchedProcess] = []
 
-    async def spawn(self, name: str, argv: Sequence[str], threads: int) -> LaunchedProcess:
-        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    async def spawn(
+        self, name: str, argv: Sequence[str], threads: int, env: dict[str, str] | None = None
+    ) -> LaunchedProcess:
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
         log_path = self.log_dir / f"{name}.log"
         child = await asyncio.to_thread(start_process, argv, log_path, env=env, timeout=self.timeout)
         self.started.append(child)
@@ -69,6 +71,7 @@ class Context:
     servers: dict[str, LaunchedProcess] = dataclasses.field(default_factory=dict)
     models: dict[str, Path] = dataclasses.field(default_factory=dict)
     mooncake_skipped: str | None = None  # why the Mooncake figures are absent
+    tracing_env: dict[str, str] = dataclasses.field(default_factory=dict)  # the traced servers' OTEL_* settings
 
 
 def transport_processes(ctx: Context) -> dict[str, Awaitable[LaunchedProcess]]:
@@ -111,8 +114,12 @@ async def start_processes(ctx: Context, sections: Sequence[str]) -> None:
     """Writes the models and starts every server the chosen sections use, all at once."""
     from testkit.default_model import write_default_model
 
+    from . import tracing
+
     p, children = ctx.profile, ctx.children
     starts = transport_processes(ctx) if "transport" in sections else {}
+    if "tracing" in sections:
+        starts.update(await tracing.processes(ctx))
     if {"serving", "scale_out", "cache", "image_sizes"} & set(sections):
         ctx.models["tower"] = await asyncio.to_thread(
             write_tower_checkpoint, ctx.workdir / "tower", p.tower, p.device

@@ -1,5 +1,6 @@
 """The benchmark's short mode runs end to end, so it cannot rot: every section lands in the JSON
-(the same-host shared-memory figures and the optional Mooncake ones in the transport section)."""
+(the same-host shared-memory figures and the optional Mooncake ones in the transport section, tracing on
+and off)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 from testkit import REPO_ROOT
 
-SECTIONS = ("transport", "serving", "batching", "scale_out", "cache", "image_sizes")
+SECTIONS = ("transport", "serving", "batching", "scale_out", "cache", "image_sizes", "tracing")
 
 
 def test_quick_benchmark_writes_every_section(tmp_path):
@@ -54,9 +55,13 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert results["scale_out"]["two_images_per_s"]["median"] > 0 and results["scale_out"]["one_images_per_s"]["median"] > 0
     assert results["cache"]["hit_ms"]["median"] > 0 and results["cache"]["miss_ms"]["median"] > 0
     assert set(results["image_sizes"]["sizes"]) == {"112x112", "224x224"}
+    for size in ("7MiB", "small"):
+        tracing = results["tracing"][size]
+        assert tracing["on_ms"] > 0 and tracing["off_ms"] > 0 and tracing["on_vs_off"] > 0
+        assert set(tracing["cpu_us_per_call"]) == {"on", "off"}
 
     goals = {(goal["goal"], goal["target"]): goal for goal in results["goals"]}  # one ratio may have two targets
-    assert len(goals) == 2 * 14 + 1 + 4 and all(isinstance(goal["met"], bool) for goal in goals.values())
+    assert len(goals) == 2 * 14 + 1 + 4 + 2 and all(isinstance(goal["met"], bool) for goal in goals.values())
     assert "goal transport 7 MiB: shared memory x4 / zmq >= 2.0" in run.stdout
     with_ceiling = [goal for goal in goals.values() if "ceiling" in goal]
     assert len(with_ceiling) == 2 * 4 and all(goal["reachable"] == (goal["ceiling"] >= goal["target"]) for goal in with_ceiling)
