@@ -3,8 +3,9 @@ fault schedule lands, every request checked against its invariants and recorded 
 processes' resources sampled and fitted for slope.
 
 The fleet: `--encoders` server processes (the real server, shared memory on, a stand-in tower whose
-output for an image is a pseudo-random tensor seeded by the image's width, of 16 to 1792 tokens x 1024
-bf16, so that a reference computes every item's embedding exactly), each behind a relay
+output for an image is derived from the whole decoded image: its pixels' sha256 sets the size, 16 to 1792
+tokens x 1024 bf16, and seeds the values, so that any two images get different embeddings and a reference
+that derives it the same way from the item's bytes computes every item's embedding exactly), each behind a relay
 (testkit.fault_proxy) that can partition or slow its link and follows it across restarts; two prefill
 nodes, each an `EncoderReceiver` over all of them (one over shared memory, one over the gRPC stream).
 Where .venv-engines exists (`--engine`), an engine lane too (scripts/soak_engine_lane.py): encoder-gateway
@@ -12,9 +13,10 @@ in front of a vLLM, with two real encoder servers on the default model behind re
 the faults reach like the others (all but failing forwards); its chat requests are checked against the
 same vLLM given the same images.
 
-The workload (`--workers` at once): requests of one to four items, Zipf-repeated widths from a pool
-and fresh ones, PNG and JPEG of many sizes, precomputed embeddings mixed in, now and then a hostile item (bytes that are no image, a
-truncated PNG) and a call cancelled part-way; every request has a deadline.
+The workload (`--workers` at once): requests of one to four items, Zipf-repeated images from a pool and
+fresh ones, PNG and JPEG of many sizes (three heights per width, so that different images of one size
+meet), precomputed embeddings mixed in, now and then a hostile item (bytes that are no image, a truncated
+PNG) and a call cancelled part-way; every request has a deadline.
 
 The faults, at seeded random moments on a seeded random encoder, each held a few seconds, every kind
 once per round in a seeded order: kill -9 and restart, SIGSTOP/SIGCONT, a partition that drops nothing
@@ -26,8 +28,14 @@ the summary says how many overlapped).
 Invariants, per request: each returned embedding equals its item's reference, in its slot (`wrong`);
 each request ends with a result, a typed error (`EncoderError`) or its own cancellation within its
 deadline and a grace (`lost`: anything else, or later; those in flight while the driver's own loop
-went longer than the grace without a turn are also counted apart); repeats served from a cache
-(`cache_hits`).
+went longer than the grace without a turn are also counted apart); each typed error has its cause
+(`failure_cause`): a request with a hostile item gets exactly INVALID_ARGUMENT (HTTP 400 through the
+gateway) naming that item, and any request fails otherwise only while faults held the encoders it
+failed on, with a status those faults explain (`unexcused` otherwise); of the valid requests in flight
+during a fault (or `--recovery-s` after it), at most `--max-failed-fraction` fail; repeats served from a
+cache (`cache_hits`). `--inject slot_swap` or `--inject key_collision` plants a bug in the soak servers
+(items in each other's slots; a cache key by the image's size instead of its bytes) that the run must
+catch.
 Resources per process every `--sample-s`: RSS, file descriptors, threads, and for the servers the
 calls open, the stream budget's bytes, leases held (a tenth of the calls ask for a lease nobody
 fetches) and segments outstanding; segment files in the shared-memory directory; slopes fitted per
@@ -35,7 +43,7 @@ process lifetime (least squares, per hour).
 
     .venv/bin/python scripts/soak.py --duration-s 3600 --seed 7 --json soak.json
 
-Prints one JSON summary line; exits 1 when anything was wrong or lost.
+Prints one JSON summary line; exits 1 when an invariant broke (`broken_invariants` says which).
 """
 
 from __future__ import annotations
