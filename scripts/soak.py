@@ -3,8 +3,9 @@ fault schedule lands, every request checked against its invariants and recorded 
 processes' resources sampled and fitted for slope.
 
 The fleet: `--encoders` server processes (the real server, shared memory on, a stand-in tower whose
-output for an image is a pseudo-random tensor seeded by the image's width, of 16 to 1792 tokens x 1024
-bf16, so that a reference computes every item's embedding exactly), each behind a relay
+output for an image is derived from the whole decoded image: its pixels' sha256 sets the size, 16 to 1792
+tokens x 1024 bf16, and seeds the values, so that any two images get different embeddings and a reference
+that derives it the same way from the item's bytes computes every item's embedding exactly), each behind a relay
 (testkit.fault_proxy) that can partition or slow its link and follows it across restarts; two prefill
 nodes, each an `EncoderReceiver` over all of them (one over shared memory, one over the gRPC stream).
 Where .venv-engines exists (`--engine`), an engine lane too (scripts/soak_engine_lane.py): encoder-gateway
@@ -12,9 +13,10 @@ in front of a vLLM, with two real encoder servers on the default model behind re
 the faults reach like the others (all but failing forwards); its chat requests are checked against the
 same vLLM given the same images.
 
-The workload (`--workers` at once): requests of one to four items, Zipf-repeated widths from a pool
-and fresh ones, PNG and JPEG of many sizes, precomputed embeddings mixed in, now and then a hostile item (bytes that are no image, a
-truncated PNG) and a call cancelled part-way; every request has a deadline.
+The workload (`--workers` at once): requests of one to four items, Zipf-repeated images from a pool and
+fresh ones, PNG and JPEG of many sizes (three heights per width, so that different images of one size
+meet), precomputed embeddings mixed in, now and then a hostile item (bytes that are no image, a truncated
+PNG) and a call cancelled part-way; every request has a deadline.
 
 The faults, at seeded random moments on a seeded random encoder, each held a few seconds, every kind
 once per round in a seeded order: kill -9 and restart, SIGSTOP/SIGCONT, a partition that drops nothing
@@ -26,8 +28,14 @@ the summary says how many overlapped).
 Invariants, per request: each returned embedding equals its item's reference, in its slot (`wrong`);
 each request ends with a result, a typed error (`EncoderError`) or its own cancellation within its
 deadline and a grace (`lost`: anything else, or later; those in flight while the driver's own loop
-went longer than the grace without a turn are also counted apart); repeats served from a cache
-(`cache_hits`).
+went longer than the grace without a turn are also counted apart); each typed error has its cause
+(`failure_cause`): a request with a hostile item gets exactly INVALID_ARGUMENT (HTTP 400 through the
+gateway) naming that item, and any request fails otherwise only while faults held the encoders it
+failed on, with a status those faults explain (`unexcused` otherwise); of the valid requests in flight
+during a fault (or `--recovery-s` after it), at most `--max-failed-fraction` fail; repeats served from a
+cache (`cache_hits`). `--inject slot_swap` or `--inject key_collision` plants a bug in the soak servers
+(items in each other's slots; a cache key by the image's size instead of its bytes) that the run must
+catch.
 Resources per process every `--sample-s`: RSS, file descriptors, threads, and for the servers the
 calls open, the stream budget's bytes, leases held (a tenth of the calls ask for a lease nobody
 fetches) and segments outstanding; segment files in the shared-memory directory; slopes fitted per
@@ -35,7 +43,7 @@ process lifetime (least squares, per hour).
 
     .venv/bin/python scripts/soak.py --duration-s 3600 --seed 7 --json soak.json
 
-Prints one JSON summary line; exits 1 when anything was wrong or lost.
+Prints one JSON summary line; exits 1 when an invariant broke (`broken_invariants` says which).
 """
 
 from __future__ import annotations
@@ -44,9 +52,12 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -69,37 +80,113 @@ from testkit.vllm_server import ENGINES_PYTHON  # noqa: E402
 HIDDEN = 1024
 FAULTS = ("kill9", "sigstop", "partition", "slow_link", "drain", "shm_full", "errors")
 SHM_TMPFS_BYTES = 48 << 20
+# Bugs a run can plant in its soak servers, to show that the invariants catch them (`--inject`).
+INJECTIONS = ("slot_swap", "key_collision")
 
 
-def tokens_for(width: int) -> int:
-    """Tokens of an image `width` wide: mostly 16-255 (32-510 KiB), one width in 97 a 1792-token item (3.5 MiB)."""
-    return 1792 if width % 97 == 0 else 16 + (width * 37) % 240
+def image_digest(image) -> bytes:
+    """The sha256 of a decoded image's every pixel, its size and mode: what the stand-in tower's output is
+    derived from, on the servers and in the reference alike."""
+    header = f"{image.mode} {image.width}x{image.height}\0".encode()
+    return hashlib.sha256(header + image.tobytes()).digest()
+
+
+def tokens_for(digest: bytes) -> int:
+    """Tokens of the image of `digest`: mostly 16-255 (32-510 KiB), one image in 97 a 1792-token item (3.5 MiB)."""
+    number = int.from_bytes(digest[:8], "little")
+    return 1792 if number % 97 == 0 else 16 + number % 240
+
+
+def stand_in_output(digest: bytes) -> ImageEmbedding:
+    """The stand-in tower's output for the image of `digest`: pseudo-random rows seeded by the digest, so
+    that any two images (two digests) get different embeddings, of sizes that differ too."""
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[8:16], "little") & (2**63 - 1))
+    rows = torch.randn((tokens_for(digest), HIDDEN), generator=generator)
+    return ImageEmbedding(rows.to(torch.bfloat16))
+
+
+def reference_digest(data: bytes) -> bytes:
+    """An item's digest as a server derives it: its bytes decoded by the servers' own decoder."""
+    from encoder_server.images import decode_image
+
+    return image_digest(decode_image(data))
 
 
 class SoakEncoder(EncoderDouble):
-    """Made-up outputs of a size and content fixed by the image's width; forwards fail while `fail_file` exists."""
+    """The stand-in tower: made-up outputs derived from the whole image (`stand_in_output`); forwards fail
+    while `fail_file` exists."""
 
     def __init__(self, fail_file: Path | None = None):
         super().__init__(tokens=1, hidden_size=HIDDEN, dtype=torch.bfloat16)
         self.fail_file = fail_file
 
     def _made_up_preprocess(self, image) -> PreparedImage:
-        n = tokens_for(image.width)
-        return PreparedImage(torch.tensor([image.width]), (1, 2, 2 * n), num_tokens=n, num_patches=4 * n)
+        digest = image_digest(image)
+        n = tokens_for(digest)
+        pixels = torch.frombuffer(bytearray(digest), dtype=torch.uint8)  # the digest rides to the forward
+        return PreparedImage(pixels, (1, 2, 2 * n), num_tokens=n, num_patches=4 * n)
 
     def encode(self, batch):
         if self.fail_file is not None and self.fail_file.exists():
             raise RuntimeError("soak: this encoder's forwards fail now")
-        return super().encode(batch)
-
-    def output(self, width: int) -> ImageEmbedding:
-        generator = torch.Generator().manual_seed(width)
-        return ImageEmbedding(torch.randn((tokens_for(width), HIDDEN), generator=generator).to(torch.bfloat16))
+        return [stand_in_output(bytes(prepared.pixel_values.tolist())) for prepared in batch]
 
 
-def serve(fail_file: str) -> None:
+def inject(bug: str) -> None:
+    """Plants `bug` in this server process, for a run that must then fail:
+    `slot_swap`: a call of two items or more gets the first two items' payloads in each other's slots;
+    `key_collision`: the embedding cache keys an image by its pixel size instead of its bytes, so two
+    images of one size share a key (the collision a reference seeded by the width alone could not see)."""
+    import io
+
+    from PIL import Image
+
+    from encoder_server import cache, pipeline
+
+    if bug == "slot_swap":
+        payloads = pipeline.ItemPipeline.payloads
+
+        async def swapped(self, items, charge, images=None):
+            held = []
+            async with contextlib.aclosing(payloads(self, items, charge, images)) as outs:
+                async for out in outs:
+                    if len(items) < 2 or held is None:
+                        yield out
+                        continue
+                    held.append(out)
+                    if len(held) == 2:
+                        first, second = held
+                        held = None
+                        yield dataclasses.replace(first, payload=second.payload)
+                        yield dataclasses.replace(second, payload=first.payload)
+
+        pipeline.ItemPipeline.payloads = swapped
+    elif bug == "key_collision":
+        real_key = cache.content_key
+        sizes: dict[bytes, bytes] = {}  # content sha256 -> that of the image's size alone
+
+        def size_key(namespace: bytes, content_sha256: bytes) -> bytes:
+            return real_key(namespace, sizes.get(content_sha256, content_sha256))
+
+        read = pipeline.ItemPipeline._digest
+
+        def digest(self, item, data):
+            content_sha256 = read(self, item, data)
+            if content_sha256 is not None:
+                width, height = Image.open(io.BytesIO(bytes(data))).size  # the header alone
+                sizes[content_sha256] = hashlib.sha256(f"{width}x{height}".encode()).digest()
+            return content_sha256
+
+        pipeline.ItemPipeline._digest = digest
+        pipeline.content_key = cache.content_key = size_key
+    else:
+        raise ValueError(f"unknown bug {bug!r}; choose from {INJECTIONS}")
+
+
+def serve(fail_file: str, bug: str | None = None) -> None:
     """One encoder server process of the fleet, until SIGTERM (then it drains, as a rolling update does).
-    Every second it writes what it holds (calls open, stream budget, leases, segments) beside `fail_file`."""
+    Every second it writes what it holds (calls open, stream budget, leases, segments) beside `fail_file`.
+    `bug`: one of INJECTIONS, planted before it starts."""
     import logging
 
     from encoder_common.malloc import tune_server_malloc
@@ -110,6 +197,8 @@ def serve(fail_file: str) -> None:
 
     logging.basicConfig(level=logging.WARNING)
     tune_server_malloc()
+    if bug is not None:
+        inject(bug)
 
     async def run() -> None:
         config = server_config(REPO / "no-checkpoint", dtype=torch.bfloat16, grace_seconds=3.0,
@@ -150,6 +239,7 @@ class Encoder:
     index: int
     workdir: Path
     argv: list[str] | None = None  # None: a soak server (`serve`); else the real server of the engine lane
+    bug: str | None = None  # planted in a soak server (`inject`)
     proxy: object = None
     launched: object = None
     lives: int = 0
@@ -178,7 +268,7 @@ class Encoder:
         from testkit.launcher import start_process
 
         self.lives += 1
-        argv = self.argv or [sys.executable, __file__, "--serve", str(self.fail_file)]
+        argv = self.argv or [sys.executable, __file__, "--serve", str(self.fail_file), *([self.bug] if self.bug else [])]
         log = self.workdir / f"encoder-{self.index}-{self.lives}.log"
         self.launched = await asyncio.to_thread(start_process, argv, log)
         self.proxy.target_port = self.launched.port
@@ -201,36 +291,111 @@ class History:
 
 
 class Workload:
-    """Items: Zipf-repeated images from a pool, fresh ones (new bytes: the cache has not seen them), hostile ones."""
+    """Items: Zipf-repeated images from a pool, fresh ones (new bytes: the cache has not seen them), hostile
+    ones, precomputed embeddings. Each image's reference digest is derived from its bytes as the servers do."""
 
     def __init__(self, rng: random.Random, pool: int):
         self.rng = rng
-        self.pool = [(28 + (i * 53) % 1400, 0) for i in range(pool)]  # (width, seed): repeated images
+        # (width, height, seed, format) of each repeated image; sizes drawn like the fresh ones', so that
+        # images of one size but different bytes meet (a key or reference by size would confuse them).
+        self.pool = [(28 + (i * 53) % 1400, _height(28 + (i * 53) % 1400, i % 3), i, ("PNG", "JPEG")[i % 2])
+                     for i in range(pool)]  # fmt: skip
         self.weights = [1 / (rank + 1) for rank in range(pool)]
+        self.made: dict[tuple, tuple[bytes, bytes]] = {}  # a pool image's bytes and digest, made once
         self.fresh_seed = 0
-        self.seen: set[tuple[int, int]] = set()
+        self.seen: set[tuple] = set()
 
-    def item(self) -> tuple[str, tuple[int, int] | None, bytes]:
-        """(kind, (width, seed) or None for a hostile item, the item's bytes). The reference output
-        depends on the width alone; the seed makes the bytes (and the cache key) new."""
+    def item(self) -> tuple[str, str | None, bytes, bytes | None]:
+        """(kind, a label naming the image, its bytes (none for a precomputed item), its digest: None for a
+        hostile item, whose expected answer is a refusal)."""
         from testkit.images import image_bytes
 
         rng = self.rng
         roll = rng.random()
         if roll < 0.06:  # embedded elsewhere: the receiver checks it and passes it through in its slot
-            return "precomputed", (rng.randrange(28, 1400), -1), b""
+            seed = rng.getrandbits(64)
+            return "precomputed", f"precomputed/{seed}", b"", hashlib.sha256(seed.to_bytes(8, "little")).digest()
         if roll < 0.1:
-            return "hostile", None, rng.choice([b"not an image at all", image_bytes(64, 64)[:300], b"\x89PNG\r\n\x1a\n" + bytes(50)])
+            return "hostile", None, rng.choice([b"not an image at all", image_bytes(64, 64)[:300], b"\x89PNG\r\n\x1a\n" + bytes(50)]), None
         if roll < 0.7:
             image = rng.choices(self.pool, self.weights)[0]
         else:
             self.fresh_seed += 1
-            image = (rng.randrange(28, 1400), self.fresh_seed)
+            width = rng.randrange(28, 1400)
+            image = (width, _height(width, rng.randrange(3)), 100_000 + self.fresh_seed, rng.choice(["PNG", "JPEG"]))
         kind = "repeat" if image in self.seen else "first"
         self.seen.add(image)
-        width, seed = image
-        height = max(8, width // 100) + rng.choice([0, 8, 20])  # within the servers' aspect-ratio limit
-        return kind, image, image_bytes(width, height, seed=seed, fmt=rng.choice(["PNG", "JPEG"]))
+        made = self.made.get(image)
+        if made is None:
+            width, height, seed, fmt = image
+            data = image_bytes(width, height, seed=seed, fmt=fmt)
+            made = (data, reference_digest(data))
+            if seed < 100_000:  # a pool image comes back: its bytes and digest are kept
+                self.made[image] = made
+        return kind, "{}x{}/{}/{}".format(*image), *made
+
+
+def _height(width: int, step: int) -> int:
+    """A height within the servers' aspect-ratio limit for an image `width` wide: one of three per width."""
+    return max(8, width // 100) + (0, 8, 20)[step]
+
+
+# What a receiver answers once no encoder could take an item in time: the last failure of an encoder that is
+# down, stopped, cut off, slowed, draining or failing its forwards, or the deadline itself. The gateway
+# answers 503 or 504 for the same. An invalid item's refusal is INVALID_ARGUMENT (HTTP 400), and nothing else is.
+FAULT_STATUSES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED", "INTERNAL", "UNKNOWN", "PROTOCOL"})
+GATEWAY_FAULT_STATUSES = frozenset({503, 504})
+# The statuses each kind of fault explains on the encoder it holds: failing forwards are INTERNAL and only they
+# are; a full shared-memory directory sends items over the stream instead, and explains no failure at all.
+FAULT_ANSWERS = {kind: FAULT_STATUSES - {"INTERNAL"} for kind in FAULTS} | {
+    "errors": frozenset({"INTERNAL"}),
+    "shm_full": frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class FaultWindow:
+    """When a fault could keep an encoder from serving: from its start until `recovery_s` after its end (a
+    restarted server starting, a receiver's back-off from a benched encoder running out)."""
+
+    start: float
+    end: float
+    encoder: int
+    answers: frozenset[str]  # the statuses it explains
+
+    @classmethod
+    def of(cls, fault: dict, recovery_s: float) -> FaultWindow:
+        return cls(fault["start"], fault["end"] + recovery_s, fault["encoder"], FAULT_ANSWERS[fault["kind"]])
+
+    def overlaps(self, request: dict) -> bool:
+        return self.start <= request["start"] + request["seconds"] and request["start"] <= self.end
+
+
+def failure_cause(request: dict, windows: list[FaultWindow], lane_encoders: frozenset[int]) -> str:
+    """Why a request that ended with a typed error failed: `refused` (it carried a hostile item and got exactly
+    the documented refusal, naming that item), `fault` (no encoder could serve it in time: each encoder call
+    that failed, and the request itself, failed with what a fault held on that encoder while the request was
+    in flight explains), else `unexcused: ` and why."""
+    hostile = {slot for slot, (kind, _) in enumerate(request["items"]) if kind == "hostile"}
+    status = request["status"]
+    gateway = request["node"] == "gateway"
+    if status == (400 if gateway else "INVALID_ARGUMENT"):
+        if not hostile:
+            return "unexcused: a valid request refused as invalid"
+        if not gateway and not (request["refused_items"] and set(request["refused_items"]) <= hostile):
+            return "unexcused: a refusal named an item that is no hostile one"
+        return "refused"
+    held = [w for w in windows if w.overlaps(request) and w.answers]
+    if gateway:  # no per-call story: 503/504 while a fault held one of the lane's encoders
+        if status in GATEWAY_FAULT_STATUSES and any(w.encoder in lane_encoders for w in held):
+            return "fault"
+        return f"unexcused: HTTP {status} while no fault held an encoder of the gateway"
+    if status not in frozenset().union(*(w.answers for w in held)):
+        return f"unexcused: {status} while no fault held explains it"
+    for encoder, answer in request["failed_on"]:
+        if not any(w.encoder == encoder and answer in w.answers for w in held):
+            return f"unexcused: encoder {encoder} answered {answer} while no fault held on it explains that"
+    return "fault"
 
 
 def longest_idle(samples: list[dict], key: str) -> float | None:
@@ -287,8 +452,7 @@ class Soak:
         self.tmpfs = tmpfs
         self.rng = random.Random(args.seed)
         self.history = History()
-        self.encoders = [Encoder(i, workdir) for i in range(args.encoders)]
-        self.reference = SoakEncoder()
+        self.encoders = [Encoder(i, workdir, bug=args.inject) for i in range(args.encoders)]
         self.engine_lane = None
         if args.engine == "on" or (args.engine == "auto" and ENGINES_PYTHON.exists()):
             from soak_engine_lane import EngineLane
@@ -366,12 +530,12 @@ class Soak:
             n += 1
             node_name = rng.choice(sorted(nodes))
             items = [workload.item() for _ in range(rng.choice([1, 1, 1, 2, 3, 4]))]
-            record = {"id": f"w{index}-{n}", "node": node_name, "items": [[kind, image] for kind, image, _ in items],
+            record = {"id": f"w{index}-{n}", "node": node_name, "items": [[kind, label] for kind, label, _, _ in items],
                       "start": round(self.now(), 3), "during_fault": self.active_faults > 0}  # fmt: skip
             cancel_after = rng.uniform(0.0, 0.3) if rng.random() < 0.05 else None
             sent = [
-                {"precomputed_embedding": self.reference.output(image[0]).embedding} if kind == "precomputed" else {"data": data}
-                for kind, image, data in items
+                {"precomputed_embedding": stand_in_output(digest).embedding} if kind == "precomputed" else {"data": data}
+                for kind, _, data, digest in items
             ]
             # Some calls ask for leases that nobody fetches: they must expire, not pile up.
             lease_ms = 2000 if rng.random() < 0.1 else None
@@ -394,6 +558,7 @@ class Soak:
             except EncoderError as exc:
                 record["outcome"] = "typed_error"
                 record["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                record.update(self.attempts(exc))
             except Exception as exc:  # noqa: BLE001 - anything untyped is a finding
                 record["outcome"] = f"lost: untyped {type(exc).__name__}"
                 record["error"] = str(exc)[:300]
@@ -401,19 +566,34 @@ class Soak:
             if record["outcome"] in ("ok", "typed_error") and record["seconds"] > self.args.deadline_s + self.args.grace_s:
                 record["outcome"] = "lost: ended after the deadline and its grace"
             self.history.requests.append(record)
-            if any(kind == "hostile" for kind, _, _ in items) and record["outcome"] == "ok":
+            if any(kind == "hostile" for kind, _, _, _ in items) and record["outcome"] == "ok":
                 record["outcome"] = "wrong: a hostile item was answered"
 
-    def check(self, items: list, result) -> dict:
-        wrong, hits, repeats = 0, 0, 0
-        for (kind, (width, _), _), item in zip(items, result.items, strict=True):
-            expected = self.reference.output(width).embedding
+    @staticmethod
+    def check(items: list, result) -> dict:
+        """Each returned embedding against its item's reference, in its slot; the indices of those that differ."""
+        wrong, hits, repeats = [], 0, 0
+        for slot, ((kind, _, _, digest), item) in enumerate(zip(items, result.items, strict=True)):
+            expected = stand_in_output(digest).embedding
             if item.embedding.shape != expected.shape or not torch.equal(item.embedding.cpu(), expected):
-                wrong += 1
+                wrong.append(slot)
             if kind == "repeat":
                 repeats += 1
                 hits += bool(item.cache_hit)
-        return {"wrong": wrong, "repeats": repeats, "cache_hits": hits}
+        return {"wrong": len(wrong), "wrong_slots": wrong, "repeats": repeats, "cache_hits": hits}
+
+    def attempts(self, error) -> dict:
+        """What a typed error says of its cause: its status, the items that refusals as invalid named (a server
+        names the item it refuses: "item 2: ..."), and the encoders (fleet indices) whose calls failed."""
+        by_url = {encoder.proxy.url: encoder.index for encoder in self.encoders}
+        tries = getattr(error, "attempts", {})
+        refusals = [a.message for t in tries.values() for a in t if a.status == "INVALID_ARGUMENT"]
+        return {
+            "status": getattr(getattr(error, "code", None), "name", type(error).__name__),
+            "refused_items": sorted({int(m.group(1)) for text in refusals if (m := re.match(r"item (\d+):", text))}),
+            # (encoder, status) of every call that failed one of the request's items
+            "failed_on": sorted({(by_url.get(a.encoder_url, -1), a.status) for t in tries.values() for a in t if a.status != "OK"}),
+        }
 
     async def faults(self) -> None:
         """`--concurrent-faults` lanes, each landing one fault after another: that many at once at most, never
@@ -526,10 +706,36 @@ class Soak:
             for s in self.history.samples
         )
 
+    def failures(self) -> dict:
+        """Every typed error by its cause (`failure_cause`), and the valid requests that failed, bounded against the
+        fault windows: of the valid requests in flight during one, at most `--max-failed-fraction` may fail."""
+        requests = self.history.requests
+        windows = [FaultWindow.of(fault, self.args.recovery_s) for fault in self.history.faults]
+        lanes = frozenset(e.index for e in self.encoders if e.argv is not None)
+        failed = [r for r in requests if r["outcome"] == "typed_error"]
+        for request in failed:
+            request["cause"] = failure_cause(request, windows, lanes)
+        valid = [r for r in requests if r["outcome"] in ("ok", "typed_error") and all(k != "hostile" for k, _ in r["items"])]
+        exposed = [r for r in valid if any(w.overlaps(r) for w in windows)]
+        valid_failed = sum(r["outcome"] == "typed_error" for r in valid)
+        return {
+            "failures_by_cause": dict(collections.Counter(r["cause"] for r in failed)),
+            "failures_by_status": dict(collections.Counter(str(r["status"]) for r in failed)),
+            "unexcused": sum(r["cause"].startswith("unexcused") for r in failed),
+            "unexcused_examples": [{k: r[k] for k in ("id", "start", "seconds", "cause", "error")}
+                                   for r in failed if r["cause"].startswith("unexcused")][:10],
+            "valid_requests": len(valid),
+            "valid_in_fault_windows": len(exposed),
+            "valid_failed": valid_failed,
+            "valid_failed_fraction_in_fault_windows": round(valid_failed / len(exposed), 4) if exposed else 0.0,
+            "fault_window_s": round(sum(w.end - w.start for w in windows), 1),
+        }
+
     def summary(self) -> dict:
         requests = self.history.requests
         outcomes = collections.Counter(r["outcome"] for r in requests)
         ok = [r for r in requests if r["outcome"] == "ok"]
+        failures = self.failures()
 
         def p99(rows: list[dict]) -> float | None:
             return None if not rows else round(percentile([r["seconds"] for r in rows], 0.99), 3)
@@ -558,7 +764,7 @@ class Soak:
             for proc, by in series.items() if by and len(next(iter(by.values()))) >= 3
         }  # fmt: skip
         last = self.history.samples[-1] if self.history.samples else {}
-        return {
+        result = {
             "seconds": round(self.now(), 1),
             "seed": self.args.seed,
             "encoders": self.args.encoders,
@@ -572,6 +778,8 @@ class Soak:
             "outcomes": dict(outcomes),
             "items_checked": sum(len(r["items"]) for r in ok),
             "wrong": sum(r.get("wrong", 0) for r in requests) + outcomes.get("wrong: a hostile item was answered", 0),
+            "wrong_in_multi_item_requests": sum(r.get("wrong", 0) for r in requests if len(r["items"]) > 1),
+            **failures,
             "lost": sum(count for outcome, count in outcomes.items() if outcome.startswith("lost")),
             "lost_while_the_driver_stalled": sum(1 for r in requests if r["outcome"].startswith("lost") and self.stalled_during(r)),
             "driver_stalls_over_grace": [(s["t"], s["driver_lag_s"]) for s in self.history.samples if s["driver_lag_s"] > self.args.grace_s],
@@ -595,7 +803,25 @@ class Soak:
             "shm_fallbacks": last.get("shm_fallbacks"),
             "shm_longest_idle_s": longest_idle(self.history.samples, "shm_items"),
             "shm_tmpfs": self.tmpfs,
+            "injected": self.args.inject,
         }
+        result["broken_invariants"] = broken_invariants(result, self.args.max_failed_fraction)
+        return result
+
+
+def broken_invariants(summary: dict, max_failed_fraction: float) -> list[str]:
+    """The run's verdict from its summary: each invariant it broke (none: it passed)."""
+    broken = []
+    if summary["wrong"]:
+        broken.append(f"{summary['wrong']} wrong: an embedding unequal to its item's reference, or a hostile item answered")
+    if summary["lost"]:
+        broken.append(f"{summary['lost']} lost: no result, typed error or cancellation within the deadline and its grace")
+    if summary["unexcused"]:
+        broken.append(f"{summary['unexcused']} failed without a cause: not a hostile item's refusal, nor while faults held their encoders")
+    if summary["valid_failed_fraction_in_fault_windows"] > max_failed_fraction:
+        broken.append(f"{summary['valid_failed']} of {summary['valid_in_fault_windows']} valid requests in fault windows "
+                      f"failed: over {max_failed_fraction:.0%}")  # fmt: skip
+    return broken
 
 
 def copy_logs(workdir: Path, to: Path) -> None:
@@ -608,7 +834,7 @@ def copy_logs(workdir: Path, to: Path) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2])
+        serve(*sys.argv[2:4])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=120.0)
@@ -621,6 +847,11 @@ def main() -> None:
     p.add_argument("--fault-gap-s", type=float, nargs=2, default=(3.0, 8.0), help="pause between faults, min max")
     p.add_argument("--fault-hold-s", type=float, nargs=2, default=(2.0, 8.0), help="how long a fault lasts, min max")
     p.add_argument("--concurrent-faults", type=int, default=1, help="faults landing at once, on distinct encoders")
+    p.add_argument("--recovery-s", type=float, default=5.0,
+                   help="after a fault ends, how long a request failing on its encoder is still put down to it")
+    p.add_argument("--max-failed-fraction", type=float, default=0.05,
+                   help="of the valid requests in flight during a fault window, the most that may fail")
+    p.add_argument("--inject", choices=INJECTIONS, help="plant a bug in the soak servers: the run must then fail")
     p.add_argument("--sample-s", type=float, default=3.0)
     p.add_argument("--engine", choices=("auto", "on", "off"), default="auto",
                    help="the engine lane (encoder-gateway, vLLM and two encoders of their own); auto: where .venv-engines exists")
@@ -646,7 +877,7 @@ def main() -> None:
             write_json(args.json, {"summary": summary, "requests": history.requests, "faults": history.faults,
                                    "samples": history.samples}, indent=None)  # fmt: skip
     print_json(summary)
-    sys.exit(0 if summary["wrong"] == 0 and summary["lost"] == 0 else 1)
+    sys.exit(1 if summary["broken_invariants"] else 0)
 
 
 if __name__ == "__main__":

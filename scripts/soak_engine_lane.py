@@ -4,9 +4,10 @@ reaches like the rest of the fleet.
 
 Every chat request through the gateway is checked against the same vLLM answering the same bytes with its
 own tower (greedy; the reference is asked once per image set): the same token ids, or a typed error (an
-OpenAI-style error body with a status other than 500) within the deadline and its grace. A request with
-a hostile image must be refused with 400, or with 503/504 when no encoder could be reached in time (the
-encoders decode images: as on the other nodes, such a request can meet no encoder to refuse it).
+OpenAI-style error body with a status other than 500) within the deadline and its grace, which the soak
+then judges by its cause (scripts/soak.py `failure_cause`): a request with a hostile image refused with 400,
+or any request answered 503/504 while a fault held one of the lane's encoders (the encoders decode images:
+as on the other nodes, a hostile item can meet no encoder to refuse it).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class EngineLane:
                 start = asyncio.get_running_loop().time()
                 try:
                     status, answer = await _ask(session, self.gateway_url, body)
-                    record.update(self.judge(status, answer, hostile, self.references.get(key)))
+                    record.update(self.judge(status, answer, hostile, self.references.get(key)), status=status)
                 except TimeoutError:
                     record["outcome"] = "lost: no answer within the deadline and its grace"
                 except aiohttp.ClientError as exc:
@@ -183,7 +184,7 @@ class EngineLane:
                 return {"outcome": "wrong: a hostile item was answered", "wrong": 1}
             return {"outcome": "ok", "wrong": int(answer != reference)}
         message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
-        if not message or status == 500 or (hostile and status not in (400, 503, 504)):
+        if not message or status == 500:
             return {"outcome": f"lost: untyped HTTP {status}", "error": str(answer)[:300]}
         return {"outcome": "typed_error", "error": f"HTTP {status}: {message}"[:300]}
 

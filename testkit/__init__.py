@@ -5,6 +5,7 @@ servers in-process (`servers`) or as child processes (`launcher`), the in-proces
 name, for the tests that call its functions."""
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -15,5 +16,6 @@ def load_script(name: str) -> ModuleType:
     """scripts/<name>.py as a module (scripts/ is not a package)."""
     spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where dataclasses look a module's names up while it runs
     spec.loader.exec_module(module)
     return module

@@ -56,6 +56,13 @@ async def _token_ids(samples, urls: dict[str, str], args) -> dict[str, list]:
     gate = asyncio.Semaphore(TOKEN_CHECK_CONCURRENCY)
 
     async def one(session: aiohttp.ClientSession, url: str, sample) -> list[int] | str:
+        """The request's token ids (or texts), or what it met instead: a refusal, or a server gone."""
+        try:
+            return await ask(session, url, sample)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    async def ask(session: aiohttp.ClientSession, url: str, sample) -> list[int] | str:
         body = {
             "model": args.model,
             "messages": [{"role": "user", "content": [{"type": "text", "text": sample.prompt}, *sample.multi_modal_data]}],

@@ -14,7 +14,7 @@ from testkit.launcher import LaunchedProcess, server_argv, start_process
 
 from .profile import MiB, Profile
 from .transport_baselines import mooncake_available
-from .transport_items import SMALL, TRANSPORT_HIDDEN, item_bytes, item_tokens
+from .transport_items import SMALL, TRANSPORT_HIDDEN, item_bytes, item_tokens, served_tower
 
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "bench.py"  # runs the baselines' roles
 
@@ -86,6 +86,7 @@ def transport_processes(ctx: Context) -> dict[str, Awaitable[LaunchedProcess]]:
     starts["bare-grpc"] = children.role("bare-grpc", "bare-grpc", 1, "--payload-bytes", *payloads,
                                         str(item_bytes(SMALL)))  # fmt: skip
     starts["zmq-push"] = children.role("zmq-push", "zmq-push", 1, "--payload-bytes", *payloads)
+    starts["served"] = served_server(ctx)
     ctx.mooncake_skipped = mooncake_available()
     if ctx.mooncake_skipped is None:
         starts["mooncake"] = children.role("mooncake", "mooncake-target", 1, "--payload-bytes", *payloads)
@@ -108,6 +109,16 @@ def engine_processes(ctx: Context) -> dict[str, Awaitable[LaunchedProcess]]:
     plain = [*fixed, str(item_tokens(7 * MiB)), str(TRANSPORT_HIDDEN), "--no-shm"]
     starts["plain"] = ctx.children.spawn("plain", plain, 1)
     return starts
+
+
+async def served_server(ctx: Context) -> LaunchedProcess:
+    """The encoder server users run, beside the stand-ins: `python -m encoder_server` on a real checkpoint
+    (transport_items.served_tower), bf16, shared memory on, one thread as the stand-ins have."""
+    ctx.models["served"] = await asyncio.to_thread(
+        write_tower_checkpoint, ctx.workdir / "served", served_tower(), "cpu"
+    )
+    argv = server_argv(ctx.models["served"], "--device", ctx.profile.device, "--dtype", "bfloat16", "--shm-transfer")
+    return await ctx.children.spawn("served", argv, 1)
 
 
 async def start_processes(ctx: Context, sections: Sequence[str]) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from testkit.bench_harness import aligned_table
 
 from .profile import MiB
-from .transport_items import IN_FLIGHT
+from .transport_items import IN_FLIGHT, SERVED_SIZE
 
 TRANSPORT_GOALS = [  # per item size: (name, path in the size's results, target, at least (True) or at most,
     # the key of its ceiling in this run, when `ceilings` knows one)
@@ -25,11 +25,19 @@ TRANSPORT_GOALS = [  # per item size: (name, path in the size's results, target,
     (f"shared memory x{IN_FLIGHT} / memcpy", ("shm_x4_vs_memcpy",), 0.3, True, None),
     ("shared memory / stream one-item latency", ("shm_latency_vs_stream",), 0.5, False, None),
 ]  # fmt: skip
+SERVED_GOALS = [  # the goals above, for the server users run (its size only)
+    *[(f"the server users run: stream cached {mode} / bare grpcio {mode}",
+       ("served", "vs_bare_same_mode", f"served_cached_{mode}"), 0.9, True) for mode in ("seq", "x4")],
+    ("the server users run: shared memory seq / zmq", ("served", "shm_vs_zmq"), 2.0, True),
+    (f"the server users run: shared memory x{IN_FLIGHT} / zmq", ("served", "shm_x4_vs_zmq"), 2.0, True),
+]  # fmt: skip
 GOALS = [
     # (name, section, path to the ratio, target, at least (True) or at most (False), path to its ceiling)
     *[(f"transport {size // MiB} MiB: {name}", "transport", (f"{size // MiB}MiB", *path), target, at_least,
        (f"{size // MiB}MiB", "ceilings", ceiling) if ceiling else None)
       for size in (7 * MiB, 32 * MiB) for name, path, target, at_least, ceiling in TRANSPORT_GOALS],
+    *[(f"transport {SERVED_SIZE // MiB} MiB: {name}", "transport", (f"{SERVED_SIZE // MiB}MiB", *path), target, at_least,
+       None) for name, path, target, at_least in SERVED_GOALS],
     ("transport 64 tokens: one-item latency / bare grpcio", "transport", ("small", "ours_vs_bare_latency"), 1.3, False,
      None),
     ("serving: server / in-process", "serving", ("ratio",), 0.9, True, None),
@@ -118,6 +126,16 @@ def transport_size_rows(size: str, r: dict) -> list[Row]:
                                 f"{c['stream_computed_seq']:.2f}x / {c['stream_computed_x4']:.2f}x"),
          f"shm seq {c['shm_seq_vs_zmq']:.2f}x zmq", ""),
     ]  # fmt: skip
+    if "served" in r:
+        served = r["served"]
+        rows += [
+            (f"  the server users run, {label}", f"ours {g[kind]:.2f} GB/s", f"stand-in {g[standin]:.2f} GB/s",
+             f"{served['vs_standin'][kind]:.2f}x")
+            for kind, standin, label in (("served_cached_seq", "stream_cached_seq", "stream cached seq"),
+                                         ("served_cached_x4", "stream_cached_x4", f"stream cached x{IN_FLIGHT}"),
+                                         ("served_shm", "shm", "shared memory seq"),
+                                         ("served_shm_x4", "shm_x4", f"shared memory x{IN_FLIGHT}"))
+        ]  # fmt: skip
     if "mooncake_gbps" in r:
         rows.append((f"  mooncake tcp {size}", f"stream {g['stream_cached_seq']:.2f} GB/s",
                      f"mooncake {r['mooncake_gbps']:.2f} GB/s", f"{r['stream_vs_mooncake']:.2f}x"))  # fmt: skip

@@ -24,7 +24,16 @@ from testkit.bench_harness import Stopwatch, interleaved, median, paired_ratio, 
 from .context import Context
 from .profile import MiB
 from .transport_baselines import CONTROL, mooncake_gbps
-from .transport_items import IN_FLIGHT, SMALL, SMALL_TOKENS, TRANSPORT_HIDDEN, item_bytes, request_jpeg
+from .transport_items import (
+    IN_FLIGHT,
+    SERVED_SIDE,
+    SERVED_SIZE,
+    SMALL,
+    SMALL_TOKENS,
+    TRANSPORT_HIDDEN,
+    item_bytes,
+    request_jpeg,
+)
 
 # memcpy_cold: between two turns of one pair of buffers, the others copy this many times the size of
 # the last-level cache, so that no copy finds its bytes there.
@@ -33,6 +42,10 @@ FLOORS = ("request_ack", "jpeg_decode")  # what `ceilings` is computed from (see
 KINDS = ("bare_seq", "bare_x4", "bare_named_seq", "bare_named_x4", "stream_cached_seq", "stream_cached_x4",
          "stream_computed_seq", "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads",
          "memcpy_cold")  # fmt: skip
+# The server users run (SERVED_SIZE only): its cached item over the stream and through shared memory, each
+# beside the same kind on the stand-in ("stream_cached_seq", ...), whose payload has the same bytes.
+SERVED_KINDS = {"served_cached_seq": "stream_cached_seq", "served_cached_x4": "stream_cached_x4",
+                "served_shm": "shm", "served_shm_x4": "shm_x4"}  # fmt: skip
 
 
 def cache_bytes() -> int:
@@ -76,6 +89,9 @@ class TransportRun:
         fixed[SMALL] = servers["fixed-small"].url
         self.stream_rx = {size: EncoderReceiver([url], transfer="grpc") for size, url in fixed.items()}
         self.shm_rx = {size: EncoderReceiver([fixed[size]], transfer="shm") for size in sizes}
+        served = servers["served"].url
+        self.served_rx = {"stream": EncoderReceiver([served], transfer="grpc"), "shm": EncoderReceiver([served], transfer="shm")}
+        self.served_image = request_jpeg(seed=2, side=SERVED_SIDE)
         self.bare_channel = grpc.aio.insecure_channel(f"127.0.0.1:{servers['bare-grpc'].port}")
         self.cached_image = request_jpeg(seed=0)
         self.small_image = request_jpeg(seed=1, side=224)
@@ -108,7 +124,7 @@ class TransportRun:
         }
 
     async def close(self) -> None:
-        for receiver in [*self.stream_rx.values(), *self.shm_rx.values()]:
+        for receiver in [*self.stream_rx.values(), *self.shm_rx.values(), *self.served_rx.values()]:
             await receiver.close()
         await self.bare_channel.close()
         self.zctx.destroy(linger=0)
@@ -148,6 +164,10 @@ class TransportRun:
             calls = [
                 self.ours_call(self.stream_rx[size], next(self.fresh[size]), size, False) for _ in range(n)
             ]
+        elif kind.startswith("served"):
+            receiver = self.served_rx["shm" if "shm" in kind else "stream"]
+            await receiver.encode("bench", [{"data": self.served_image}])  # untimed, as for the stand-in below
+            calls = [self.ours_call(receiver, self.served_image, size, True)] * n
         elif kind.startswith(("stream", "shm")):
             receiver = (self.stream_rx if kind.startswith("stream") else self.shm_rx)[size]
             # Untimed: the computed measures' items can have pushed the cached one out of the server's cache.
@@ -213,8 +233,9 @@ class TransportRun:
         for size in [*self.p.transport_sizes, SMALL]:
             image = self.small_image if size == SMALL else self.cached_image
             await self.ours_call(self.stream_rx[size], image, size, False)()
+        await self.ours_call(self.served_rx["stream"], self.served_image, SERVED_SIZE, False)()  # a real forward
         for size in self.p.transport_sizes:
-            for kind in KINDS:
+            for kind in kinds_at(size):
                 if not kind.startswith("stream_computed"):
                     await self.measure(size, kind)
         await self.small_latency("bare")
@@ -226,13 +247,18 @@ class TransportRun:
         measures = {
             f"{size // MiB} MiB {kind}": functools.partial(self.measure, size, kind)
             for size in sizes
-            for kind in KINDS
+            for kind in kinds_at(size)
         }
         measures.update(
             {f"small {kind}": functools.partial(self.small_latency, kind) for kind in ("bare", "ours")}
         )
         measures.update({f"floor {kind}": functools.partial(self.floor_ms, kind) for kind in FLOORS})
         return measures
+
+
+def kinds_at(size: int) -> tuple[str, ...]:
+    """What is measured at an item size: every kind, and the server users run's at its size."""
+    return KINDS + tuple(SERVED_KINDS) if size == SERVED_SIZE else KINDS
 
 
 async def run(ctx: Context) -> dict:
@@ -258,7 +284,7 @@ async def run(ctx: Context) -> dict:
     floors = out["floor_ms"] = {kind: median(runs[f"floor {kind}"]) for kind in FLOORS}
     for size in ctx.profile.transport_sizes:
         out[f"{size // MiB}MiB"] = size_row(
-            size, {kind: runs[f"{size // MiB} MiB {kind}"] for kind in KINDS}, floors, mooncake
+            size, {kind: runs[f"{size // MiB} MiB {kind}"] for kind in kinds_at(size)}, floors, mooncake
         )
     out["small"] = {
         "tokens": SMALL_TOKENS,
@@ -311,6 +337,15 @@ def size_row(
         "stream_latency_ms": 1e3 * item_bytes(size) / 1e9 / median(by["stream_cached_seq"]),
     }
     row["ceilings"] = ceilings(item_bytes(size), row["gbps"], floors)
+    if "served_cached_seq" in by:
+        # The server users run against its stand-in, each pair in the same round; and against the baselines
+        # of the goals the stand-in is held to.
+        row["served"] = {
+            "vs_standin": {kind: ratio(kind, standin) for kind, standin in SERVED_KINDS.items()},
+            "vs_bare_same_mode": {f"served_cached_{m}": ratio(f"served_cached_{m}", f"bare_{m}") for m in ("seq", "x4")},
+            "shm_vs_zmq": ratio("served_shm", "zmq"),
+            "shm_x4_vs_zmq": ratio("served_shm_x4", "zmq"),
+        }
     if size in mooncake:
         row["mooncake_gbps"] = mooncake[size]
         row["stream_vs_mooncake"] = median(by["stream_cached_seq"]) / mooncake[size]

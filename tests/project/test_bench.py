@@ -1,6 +1,6 @@
 """The benchmark's short mode runs end to end, so it cannot rot: every section lands in the JSON
-(the same-host shared-memory figures and the optional Mooncake ones in the transport section, tracing on
-and off)."""
+(the same-host shared-memory figures, the server users run beside its stand-in at 7 MiB, the optional
+Mooncake ones in the transport section, tracing on and off)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ def test_quick_benchmark_writes_every_section(tmp_path):
 
     for size in ("7MiB", "32MiB"):
         transport = results["transport"][size]
+        served = {"served_cached_seq", "served_cached_x4", "served_shm", "served_shm_x4"} if size == "7MiB" else set()
         assert set(transport["gbps"]) == {
             "bare_seq", "bare_x4", "bare_named_seq", "bare_named_x4", "stream_cached_seq", "stream_cached_x4",
             "stream_computed_seq", "stream_computed_x4", "shm", "shm_x4", "zmq", "memcpy", "memcpy_threads", "memcpy_cold",
-        }  # fmt: skip
+        } | served  # fmt: skip
         assert all(value > 0 for value in transport["gbps"].values())
         assert len(transport["stream_vs_best_bare"]) == 4 and all(v > 0 for v in transport["stream_vs_best_bare"].values())
         assert transport["shm_vs_zmq"] > 0 and transport["shm_vs_memcpy"] > 0 and transport["shm_latency_vs_stream"] > 0
@@ -43,6 +44,11 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         ceilings = transport["ceilings"]
         assert 0 < ceilings["stream_computed_seq"] < ceilings["stream_cached_seq"] <= 1
         assert 0 < ceilings["stream_computed_x4"] <= 1 and ceilings["shm_seq_vs_zmq"] > 0
+    # The encoder server users run (a real checkpoint, its cached 7 MiB item) beside the stand-in.
+    served = results["transport"]["7MiB"]["served"]
+    assert set(served["vs_standin"]) == {"served_cached_seq", "served_cached_x4", "served_shm", "served_shm_x4"}
+    assert all(v > 0 for v in served["vs_standin"].values()) and served["shm_vs_zmq"] > 0
+    assert "the server users run, stream cached seq" in run.stdout and "served" not in results["transport"]["32MiB"]
     assert all(v > 0 for v in results["transport"]["floor_ms"].values())
     assert results["transport"]["request_jpeg_bytes"] > 200_000  # each call carries a real JPEG
     assert results["transport"]["small"]["ours_vs_bare_latency"] > 0
@@ -61,7 +67,7 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         assert set(tracing["cpu_us_per_call"]) == {"on", "off"}
 
     goals = {(goal["goal"], goal["target"]): goal for goal in results["goals"]}  # one ratio may have two targets
-    assert len(goals) == 2 * 14 + 1 + 4 + 2 and all(isinstance(goal["met"], bool) for goal in goals.values())
+    assert len(goals) == 2 * 14 + 1 + 4 + 4 + 2 and all(isinstance(goal["met"], bool) for goal in goals.values())
     assert "goal transport 7 MiB: shared memory x4 / zmq >= 2.0" in run.stdout
     with_ceiling = [goal for goal in goals.values() if "ceiling" in goal]
     assert len(with_ceiling) == 2 * 4 and all(goal["reachable"] == (goal["ceiling"] >= goal["target"]) for goal in with_ceiling)
