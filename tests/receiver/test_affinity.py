@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from encoder_common.load_report import LoadReport, parse_load
+from receiver import FailoverPolicy, ShardError
 from receiver.fleet.affinity import HEADROOM_ITEMS, content_key, load_bound, place, ranking
 from receiver.fleet.load import FleetLoad
 from receiver.fleet.placement import Affinity, RequestPlacement
