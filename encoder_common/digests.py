@@ -1,5 +1,5 @@
-"""sha256 digests of recently seen image bytes, found again without hashing them again: the largest cost of a
-cache hit's call was the sha256 of its bytes that its key starts with."""
+"""sha256 digests of recently seen image bytes (a cache key starts with one), found again by a fast hash and a
+byte comparison instead of hashed again."""
 
 from __future__ import annotations
 
