@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from testkit.bench_harness import median, percentile
-from testkit.launcher import start_process, server_argv
+from testkit.launcher import server_argv, start_process
 
 from .modes import ModeRun
 from .workloads import zipf_workload
