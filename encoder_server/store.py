@@ -17,7 +17,7 @@ import logging
 import struct
 import time
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -148,7 +148,6 @@ class CircuitBreaker:
         self._in_a_row = 0
         self._open_until: float | None = None
         self._trying = False
-        self.opened = 0  # times it opened
 
     @property
     def is_open(self) -> bool:
@@ -171,8 +170,6 @@ class CircuitBreaker:
         elif ok is False:
             self._in_a_row += 1
             if trial or self._in_a_row >= self.failures:
-                if self._open_until is None:
-                    self.opened += 1
                 self._open_until = self._clock() + self.cooldown_s
 
 
@@ -233,22 +230,10 @@ class EmbeddingStore:
         if not self.breaker.allow():
             self.stats.lookups["skipped"] += 1
             return None
-        started = time.perf_counter()
-        ok: bool | None = None
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                entry = await self._redis.get(KEY_PREFIX + key)
-            ok = True
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            ok = False
+        ok, entry = await self._call("get", self._redis.get(KEY_PREFIX + key))
+        if not ok:
             self.stats.lookups["error"] += 1
-            log.debug("embedding store lookup failed: %s", _why(exc))
             return None
-        finally:
-            self.breaker.outcome(ok)
-            self.stats.seconds["get"].observe(time.perf_counter() - started)
         if entry is None:
             self.stats.lookups["miss"] += 1
             return None
@@ -271,22 +256,28 @@ class EmbeddingStore:
         self._spawn(self._put(key, pack(key, payload)))
 
     async def _put(self, key: bytes, entry: bytes) -> None:
+        ok, _ = await self._call("put", self._redis.set(KEY_PREFIX + key, entry, ex=self.config.ttl_s or None))
+        self.stats.puts["stored" if ok else "error"] += 1
+
+    async def _call(self, op: str, command: Awaitable) -> tuple[bool, object]:
+        """Runs one command the breaker let through, within the timeout: (True, its answer), or (False,
+        None) when it failed or took too long. Timed, and told to the breaker."""
         started = time.perf_counter()
         ok: bool | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
-                await self._redis.set(KEY_PREFIX + key, entry, ex=self.config.ttl_s or None)
+                answer = await command
             ok = True
-            self.stats.puts["stored"] += 1
+            return True, answer
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             ok = False
-            self.stats.puts["error"] += 1
-            log.debug("embedding store put failed: %s", _why(exc))
+            log.debug("embedding store %s failed: %s", op, _why(exc))
+            return False, None
         finally:
             self.breaker.outcome(ok)
-            self.stats.seconds["put"].observe(time.perf_counter() - started)
+            self.stats.seconds[op].observe(time.perf_counter() - started)
 
     async def _drop(self, key: bytes, entry: bytes) -> None:
         """Deletes a corrupt entry, unless it was replaced meanwhile."""

@@ -7,14 +7,4 @@ set -euo pipefail
 if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
   exit 0
 fi
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-  if ! command -v sudo >/dev/null; then
-    echo "setup_prometheus.sh: not root and no sudo; install Debian's prometheus package by hand" >&2
-    exit 1
-  fi
-  SUDO=sudo
-fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -q
-$SUDO apt-get install -y -q --no-install-recommends prometheus
+exec "$(dirname "$0")/apt_install.sh" prometheus

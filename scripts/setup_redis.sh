@@ -6,14 +6,4 @@ set -euo pipefail
 if command -v redis-server >/dev/null; then
   exit 0
 fi
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-  if ! command -v sudo >/dev/null; then
-    echo "setup_redis.sh: not root and no sudo; install Debian's redis-server package by hand" >&2
-    exit 1
-  fi
-  SUDO=sudo
-fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -q
-$SUDO apt-get install -y -q --no-install-recommends redis-server
+exec "$(dirname "$0")/apt_install.sh" redis-server

@@ -35,18 +35,17 @@ def ranking(key: bytes, urls: Sequence[str]) -> list[int]:
     return sorted(range(len(urls)), key=lambda i: (-scores[i], urls[i]))
 
 
-# The bound is on work, in seconds, as the encoders measure it (receiver.fleet.load): an encoder where a new
-# item would finish (its queued seconds plus one item at its own pace) later than `balance` x the fleet's
-# median plus HEADROOM_ITEMS items' worth is passed over. Coarse on purpose: the queues' ups and downs under
-# an even load, and the small differences between receivers' views of the load, stay within it, so keys
-# move only off an encoder that falls behind (slow, saturated, stopped). Medians, so that the encoder
-# falling behind does not widen the bound it is held to.
-def load_bound(finish_s: Sequence[float], item_s: float, balance: float = DEFAULT_BALANCE) -> float:
-    """The latest a new item may finish on an encoder that still takes new items: `balance` x the fleet's
+# The bound is on work, in seconds, as the encoders measure it (receiver.fleet.load): an encoder whose
+# queued seconds pass `balance` x the fleet's median plus HEADROOM_ITEMS items' worth is passed over.
+# Coarse on purpose: the queues' ups and downs under an even load, and the small differences between
+# receivers' views of the load, stay within it, so keys move only off an encoder that falls behind (slow,
+# saturated, stopped). Medians, so that the encoder falling behind does not widen the bound it is held to.
+def load_bound(queued_s: Sequence[float], item_s: float, balance: float = DEFAULT_BALANCE) -> float:
+    """The most queued seconds an encoder may have and still take new items: `balance` x the fleet's
     median, plus HEADROOM_ITEMS items of `item_s` seconds. The least loaded encoder is always within it."""
     if balance < 1.0:
         raise ValueError(f"balance must be at least 1.0, got {balance}")
-    return balance * statistics.median(finish_s) + HEADROOM_ITEMS * item_s
+    return balance * statistics.median(queued_s) + HEADROOM_ITEMS * item_s
 
 
 @dataclass(frozen=True)
@@ -63,21 +62,21 @@ def place(
     urls: Sequence[str],
     *,
     balance: float = DEFAULT_BALANCE,
-    finish_s: Sequence[float] | None = None,
+    queued_s: Sequence[float] | None = None,
     item_s: float = 0.0,
 ) -> AffinityPlan:
-    """Places items (by content key) on `urls`, given the seconds a new item would take to finish on each
-    encoder (its queued work plus one item at its own pace; 0 when unknown) and the seconds one item
-    costs at the fleet's median pace (0 when unknown).
+    """Places items (by content key) on `urls`, given each encoder's queued seconds of work (0 when
+    unknown; a slow encoder measures its queue at its own pace) and the seconds one item costs at the
+    fleet's median pace (0 when unknown).
 
-    Each item goes to the first encoder of its ranking where it would finish within `load_bound`.
+    Each item goes to the first encoder of its ranking whose queued seconds are within `load_bound`.
     The items of one call do not count against each other: a request's images that rank one encoder
     first go there together (one batch), as they would in any other request, so an image lands on the
     same encoder whatever it is sent with, and the same image twice in a request goes to one encoder.
     """
     if not urls:
         raise ValueError("no encoders to place items on")
-    work = list(finish_s) if finish_s is not None else [0.0] * len(urls)
+    work = list(queued_s) if queued_s is not None else [0.0] * len(urls)
     bound = load_bound(work, item_s, balance) * (1 + 1e-9)
     within = [seconds <= bound for seconds in work]
     chosen: list[int] = []

@@ -59,10 +59,9 @@ class FleetLoad:
         drained = max(0.0, load.reported_s - (now - load.reported_at))
         return drained + sum(seconds for sent_at, seconds in load.sent.values() if sent_at > load.reported_at)
 
-    def finish(self, urls: Sequence[str]) -> list[float]:
-        """Per URL of `urls`: the seconds a new item would take there, its queue and then the item itself at
-        that encoder's own pace."""
-        return [self.queued_s(url) + self.item_s(url) for url in urls]
+    def queued(self, urls: Sequence[str]) -> list[float]:
+        """Queued seconds, per URL of `urls`."""
+        return [self.queued_s(url) for url in urls]
 
     def sending(self, url: str, seconds: float) -> int:
         """Counts a shard of `seconds` of work sent to `url` until `settled(url, shard)`; returns its id."""

@@ -138,7 +138,7 @@ class RequestPlacement:
         urls = [e.url for e in encoders]
         plan = affinity.place(
             [spec.keys[i] for i in pending], urls,
-            balance=spec.balance, finish_s=spec.load.finish(urls), item_s=spec.load.item_s(),
+            balance=spec.balance, queued_s=spec.load.queued(urls), item_s=spec.load.item_s(),
         )  # fmt: skip
         self.placed["affinity"] += len(pending) - plan.spilled
         self.placed["spilled"] += plan.spilled

