@@ -25,6 +25,7 @@ from receiver.transports.mooncake import MooncakeReceiver
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.launcher import start_process
+from testkit.results import assert_same_bytes
 from testkit.servers import running_server, wait_until
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"no transfer engine here: {unavailable()}")
@@ -38,16 +39,6 @@ ENCODE = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
 def items(n: int, first_width: int = 8) -> list[dict]:
     """Images of distinct widths: the server's stand-in tower gives each its own embedding."""
     return [{"modality": "image", "data": image_bytes(first_width + i, 8, seed=i)} for i in range(n)]
-
-
-def assert_same_bytes(got, want) -> None:
-    assert [i.index for i in got.items] == [i.index for i in want.items]
-    for a, b in zip(got.items, want.items):
-        assert a.embedding.dtype == b.embedding.dtype and a.embedding.shape == b.embedding.shape
-        assert torch.equal(a.embedding.view(torch.uint8), b.embedding.view(torch.uint8))
-        assert (a.deepstack is None) == (b.deepstack is None)
-        if a.deepstack is not None:
-            assert torch.equal(a.deepstack.view(torch.uint8), b.deepstack.view(torch.uint8))
 
 
 def engine_receiver(urls: list[str], **pool) -> EncoderReceiver:
