@@ -133,31 +133,33 @@ async def test_leased_items_fetch_through_the_engine_into_the_callers_tensor_fre
 ):
     """Fetch (the vLLM connector's path) offers the engine too; a caller's own tensor takes a copy."""
     images = [{"data": image_bytes(64, 48, seed=1)}, {"data": image_bytes(96, 64, seed=2)}]
-    async with running_server(default_model_dir, mooncake=MooncakeConfig(min_bytes=0)) as server:
-        async with engine_receiver([server.url], slots=2) as rx:
-            encoded = await rx.encode("r", images, lease_ms=30_000)
-            # Both slots are under `encoded`'s items: these fetches' payloads come as chunks.
-            fetched = await rx.fetch("f", encoded.items[0].lease.key)
-            assert torch.equal(fetched.embedding, encoded.items[0].embedding)
-            given = []
+    async with (
+        running_server(default_model_dir, mooncake=MooncakeConfig(min_bytes=0)) as server,
+        engine_receiver([server.url], slots=2) as rx,
+    ):
+        encoded = await rx.encode("r", images, lease_ms=30_000)
+        # Both slots are under `encoded`'s items: these fetches' payloads come as chunks.
+        fetched = await rx.fetch("f", encoded.items[0].lease.key)
+        assert torch.equal(fetched.embedding, encoded.items[0].embedding)
+        given = []
 
-            def allocate(shape, dtype):
-                given.append(torch.empty(shape, dtype=dtype))
-                return given[-1]
+        def allocate(shape, dtype):
+            given.append(torch.empty(shape, dtype=dtype))
+            return given[-1]
 
-            copied = await rx.fetch("g", encoded.items[1].lease.key, allocate=allocate)
-            assert copied.embedding.data_ptr() == given[0].data_ptr()
-            assert torch.equal(copied.embedding, encoded.items[1].embedding)
-            assert rx.transfer_stats.items_mooncake == 2 and rx.transfer_stats.fallbacks == {
-                "mooncake_pool_full": 2
-            }
-            del encoded, fetched
-            encoded = await rx.encode("r2", images[:1], lease_ms=30_000)
-            copied = await rx.fetch("h", encoded.items[0].lease.key, allocate=allocate)
-            assert torch.equal(copied.embedding, encoded.items[0].embedding)
-            assert rx.transfer_stats.items_mooncake == 4  # through a slot, copied out and freed at once
-            del encoded
-            assert rx._transport.pool.counts() == (2, 0)
+        copied = await rx.fetch("g", encoded.items[1].lease.key, allocate=allocate)
+        assert copied.embedding.data_ptr() == given[0].data_ptr()
+        assert torch.equal(copied.embedding, encoded.items[1].embedding)
+        assert rx.transfer_stats.items_mooncake == 2 and rx.transfer_stats.fallbacks == {
+            "mooncake_pool_full": 2
+        }
+        del encoded, fetched
+        encoded = await rx.encode("r2", images[:1], lease_ms=30_000)
+        copied = await rx.fetch("h", encoded.items[0].lease.key, allocate=allocate)
+        assert torch.equal(copied.embedding, encoded.items[0].embedding)
+        assert rx.transfer_stats.items_mooncake == 4  # through a slot, copied out and freed at once
+        del encoded
+        assert rx._transport.pool.counts() == (2, 0)
 
 
 async def test_a_full_pool_sends_the_rest_as_chunks_and_slots_under_results_are_never_rewritten(
