@@ -29,10 +29,17 @@ class EngineRun:
 
     def __init__(self, ctx: Context, base: TransportRun):
         from receiver import EncoderReceiver
+        from receiver.config import MooncakeReceiverConfig
 
         self.base, self.servers, sizes = base, ctx.servers, ctx.profile.transport_sizes
+        # A pool sized for this section's calls (the default's 8 x 48 MiB is mapped up front).
         self.engine_rx = {
-            size: EncoderReceiver([ctx.servers[f"fixed-{size}"].url], transfer="mooncake") for size in sizes
+            size: EncoderReceiver(
+                [ctx.servers[f"fixed-{size}"].url],
+                transfer="mooncake",
+                mooncake=MooncakeReceiverConfig(slots=2 * IN_FLIGHT, slot_bytes=item_bytes(size)),
+            )
+            for size in sizes
         }
         plain = ctx.servers["plain"].url
         self.declined_rx = {
