@@ -19,6 +19,20 @@ POOLED_FROM = 4 << 20
 _HUGE_PAGE = 2 << 20
 
 
+def huge_page_memory(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory of at least `nbytes`, a whole number of huge pages, on huge pages where
+    the kernel has them: 512x fewer faults on its first use."""
+    memory = mmap.mmap(-1, huge_pages(nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
+
+
+def huge_pages(nbytes: int) -> int:
+    """`nbytes` rounded up to whole huge pages."""
+    return -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+
+
 class BufferPool:
     """Keeps up to `max_idle_bytes` of released payload buffers for reuse; thread-safe."""
 
@@ -38,11 +52,7 @@ class BufferPool:
             return torch.empty(shape, dtype=dtype)
         buffer = self._take(nbytes)
         if buffer is None:
-            buffer = mmap.mmap(
-                -1, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            )
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                buffer.madvise(mmap.MADV_HUGEPAGE)  # 512x fewer faults on its first use
+            buffer = huge_page_memory(nbytes)
         array = np.frombuffer(buffer, dtype=np.uint8, count=nbytes)
         weakref.finalize(array, self._give_back, buffer)  # the tensor's storage holds `array`
         return torch.from_numpy(array).view(dtype).reshape(shape)

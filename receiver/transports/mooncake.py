@@ -28,6 +28,7 @@ from encoder_common.mooncake_engine import Engine, EngineError, address_towards
 from protos import encoder_pb2 as pb
 from protos.mooncake import TOKEN_BYTES, placement_mac
 
+from ..embeddings.buffers import huge_page_memory, huge_pages
 from ..urls import grpc_target
 from . import Placement, TransferStats
 
@@ -36,9 +37,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_HUGE_PAGE = 2 << 20
 # How long an encoder that declined the offer (no engine, another protocol) is not offered it again.
 DECLINED_S = 60.0
+# Why an encoder declined an offer, by the fallback its headers give (None: they have no placement).
+_DECLINED = {
+    None: "the server predates the transfer-engine path",
+    pb.MOONCAKE_DISABLED: "the server runs without --mooncake-transfer",
+    pb.MOONCAKE_OFFER_REFUSED: "the server refused the offer (another protocol, or an engine not on this caller's host)",
+}
 
 
 class SlotPool:
@@ -46,11 +52,9 @@ class SlotPool:
 
     def __init__(self, engine: Engine, slots: int, slot_bytes: int, late_write_s: float):
         self.engine = engine
-        self.slot_bytes = -(-slot_bytes // _HUGE_PAGE) * _HUGE_PAGE
+        self.slot_bytes = huge_pages(slot_bytes)
         self.late_write_s = late_write_s
-        self._arena = mmap.mmap(-1, slots * self.slot_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self._arena.madvise(mmap.MADV_HUGEPAGE)
+        self._arena = huge_page_memory(slots * self.slot_bytes)
         memory = np.frombuffer(self._arena, dtype=np.uint8)
         memory[:: mmap.PAGESIZE] = 0  # every page mapped now: a first write into fresh pages is slow
         self.address = memory.ctypes.data
@@ -114,25 +118,19 @@ class CallGrant:
     def __init__(
         self, receiver: MooncakeReceiver, pool: SlotPool, slots: list[int], request_id: str, url: str
     ):
-        self.receiver, self.pool, self.slots, self.request_id, self.url = (
-            receiver,
-            pool,
-            slots,
-            request_id,
-            url,
-        )
+        self.receiver = receiver
+        self.pool = pool
+        self.slots = slots
+        self.request_id = request_id
+        self.url = url
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._open = set(slots)  # granted, neither named by a header nor settled
         # A call dropped without end() (cancelled, its task gone) may still be written into.
         self._finalizer = weakref.finalize(self, _settle, pool, self._open, False)
 
     def offer(self, session: str, protocol: str) -> pb.MooncakeOffer:
-        return pb.MooncakeOffer(
-            session=session,
-            protocol=protocol,
-            slots=[self.pool.slot(s) for s in self.slots],
-            token=self.token,
-        )
+        slots = [self.pool.slot(s) for s in self.slots]
+        return pb.MooncakeOffer(session=session, protocol=protocol, slots=slots, token=self.token)
 
     def __call__(self, header: pb.ItemHeader) -> tuple[Placement, torch.Tensor | None]:
         """Where the item's payload is and, when the header names a slot and its MAC checks out, the
@@ -142,40 +140,31 @@ class CallGrant:
             receiver.stats.fallbacks["mooncake_pool_full"] += 1
             return Placement.CHUNKS, None
         if not header.HasField("mooncake"):
-            return receiver.not_negotiated(
-                self.url, "mooncake_unsupported", "the server predates the transfer-engine path"
-            )
+            return receiver.not_negotiated(self.url, "mooncake_unsupported", _DECLINED[None])
         placement = header.mooncake
         reason = pb.MooncakeFallback.Name(placement.fallback).lower()
-        if placement.fallback in (pb.MOONCAKE_DISABLED, pb.MOONCAKE_OFFER_REFUSED):
-            why = (
-                "the server runs without --mooncake-transfer"
-                if placement.fallback == pb.MOONCAKE_DISABLED
-                else (
-                    "the server refused the offer (another protocol, or an engine not on this caller's host)"
-                )
-            )
-            return receiver.not_negotiated(self.url, reason, why)
+        if placement.fallback in _DECLINED:
+            return receiver.not_negotiated(self.url, reason, _DECLINED[placement.fallback])
         in_grant = placement.slot < len(self.slots) and self.slots[placement.slot] in self._open
         if placement.fallback == pb.MOONCAKE_WRITE_FAILED and in_grant:
-            self._settle_slot(placement.slot)  # part of the payload may still be on its way
+            self._quarantine(placement.slot)  # part of the payload may still be on its way
         if placement.fallback != pb.MOONCAKE_FALLBACK_NONE:
             receiver.stats.fallbacks[reason] += 1
             return Placement.CHUNKS, None
         slot = self.slots[placement.slot] if in_grant else None
+        address = self.pool.slot_address(slot) if slot is not None else 0
         mac = placement_mac(
-            self.token, self.request_id, header.index, placement.slot,
-            self.pool.slot_address(slot) if slot is not None else 0, header.payload_bytes,
-        )  # fmt: skip
-        if (
-            slot is None
-            or not secrets.compare_digest(mac, placement.mac)
-            or header.payload_bytes > self.pool.slot_bytes
-        ):
+            self.token, self.request_id, header.index, placement.slot, address, header.payload_bytes
+        )
+        checks = slot is not None and header.payload_bytes <= self.pool.slot_bytes
+        if not (checks and secrets.compare_digest(mac, placement.mac)):
             if slot is not None:
-                self._settle_slot(placement.slot)  # whoever wrote it may write it again
-            log.warning("item %d of request %r: transfer-engine placement refused; fetching it over gRPC",
-                        header.index, self.request_id)  # fmt: skip
+                self._quarantine(placement.slot)  # whoever wrote it may write it again
+            log.warning(
+                "item %d of request %r: transfer-engine placement refused; fetching it over gRPC",
+                header.index,
+                self.request_id,
+            )
             receiver.stats.fallbacks["mooncake_bad_placement"] += 1
             return Placement.REFETCH, None
         self._open.discard(slot)  # the tensor's now: freed with it
@@ -183,7 +172,7 @@ class CallGrant:
         receiver.stats.bytes_mooncake += header.payload_bytes
         return Placement.FILLED, self.pool.view(slot, header.payload_bytes)
 
-    def _settle_slot(self, index: int) -> None:
+    def _quarantine(self, index: int) -> None:
         """The slot at `index` of the grant may still be written into: out of use for a while."""
         slot = self.slots[index]
         self._open.discard(slot)

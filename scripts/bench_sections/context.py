@@ -78,36 +78,32 @@ def transport_processes(ctx: Context) -> dict[str, Awaitable[LaunchedProcess]]:
     """The transport section's fixed-payload servers, one per item size, and its baselines' senders."""
     p, children = ctx.profile, ctx.children
     starts: dict[str, Awaitable[LaunchedProcess]] = {}
+    ctx.mooncake_skipped = mooncake_available()
+    # With the transfer engine too where it imports: the engine rows (transport_engine.py) use these servers.
+    engine = ["--mooncake"] if ctx.mooncake_skipped is None else []
     for size in [*p.transport_sizes, SMALL]:
         name = f"fixed-{size}" if size else "fixed-small"
-        argv = [sys.executable, "-m", "testkit.fixed_server", str(item_tokens(size)), str(TRANSPORT_HIDDEN)]
+        argv = [
+            sys.executable,
+            "-m",
+            "testkit.fixed_server",
+            str(item_tokens(size)),
+            str(TRANSPORT_HIDDEN),
+            *engine,
+        ]
         starts[name] = children.spawn(name, argv, 1)
     payloads = [str(item_bytes(size)) for size in p.transport_sizes]
     starts["bare-grpc"] = children.role("bare-grpc", "bare-grpc", 1, "--payload-bytes", *payloads,
                                         str(item_bytes(SMALL)))  # fmt: skip
     starts["zmq-push"] = children.role("zmq-push", "zmq-push", 1, "--payload-bytes", *payloads)
     starts["served"] = served_server(ctx)
-    ctx.mooncake_skipped = mooncake_available()
     if ctx.mooncake_skipped is None:
         starts["mooncake"] = children.role("mooncake", "mooncake-target", 1, "--payload-bytes", *payloads)
-        starts.update(engine_processes(ctx))
+        # Neither shared memory nor the engine: every offer declined.
+        plain = ["-m", "testkit.fixed_server", str(item_tokens(7 * MiB)), str(TRANSPORT_HIDDEN), "--no-shm"]
+        starts["plain"] = children.spawn("plain", [sys.executable, *plain], 1)
     else:
         print(f"transport: Mooncake section skipped ({ctx.mooncake_skipped})", file=sys.stderr)
-    return starts
-
-
-def engine_processes(ctx: Context) -> dict[str, Awaitable[LaunchedProcess]]:
-    """The transfer-engine rows' servers (transport_engine.py): one per item size with the engine on and
-    shared memory off, and one with neither, whose offers every receiver sees declined."""
-    fixed = [sys.executable, "-m", "testkit.fixed_server"]
-    starts = {
-        f"engine-{size}": ctx.children.spawn(
-            f"engine-{size}", [*fixed, str(item_tokens(size)), str(TRANSPORT_HIDDEN), "--mooncake", "--no-shm"], 1
-        )
-        for size in ctx.profile.transport_sizes
-    }
-    plain = [*fixed, str(item_tokens(7 * MiB)), str(TRANSPORT_HIDDEN), "--no-shm"]
-    starts["plain"] = ctx.children.spawn("plain", plain, 1)
     return starts
 
 

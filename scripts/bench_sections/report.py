@@ -150,11 +150,11 @@ def engine_rows(e: dict) -> list[Row]:
         r = e[size]
         g, cpu = r["gbps"], r["cpu_s_per_gb"]
         for mode in ("seq", "x4"):
-            engine, stream = cpu[f"engine_{mode}"], cpu[f"stream_{mode}"]
+            engine, stream = cpu[f"engine_{mode}"], cpu[f"stream_cached_{mode}"]
             rows.append((
                 f"transfer engine {size} {mode}",
                 f"ours {g[f'engine_{mode}']:.2f} GB/s (CPU s/GB receiver {engine['receiver']:.2f}, server {engine['server']:.2f})",
-                (f"stream {g[f'stream_{mode}']:.2f} GB/s (receiver {stream['receiver']:.2f}, server {stream['server']:.2f}) / "
+                (f"stream {g[f'stream_cached_{mode}']:.2f} GB/s (receiver {stream['receiver']:.2f}, server {stream['server']:.2f}) / "
                  f"bare grpcio {g[f'bare_{mode}']:.2f} / memcpy {g['memcpy']:.1f} GB/s"),
                 (f"{r[f'engine_vs_stream_{mode}']:.2f}x / {r[f'engine_vs_bare_{mode}']:.2f}x / "
                  f"{r[f'engine_vs_memcpy_{mode}']:.2f}x; receiver CPU {r[f'receiver_cpu_engine_vs_stream_{mode}']:.2f}x"),

@@ -25,6 +25,7 @@ from receiver.transports.mooncake import MooncakeReceiver
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
 from testkit.launcher import start_process
+from testkit.results import assert_same_bytes
 from testkit.servers import running_server, wait_until
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"no transfer engine here: {unavailable()}")
@@ -38,16 +39,6 @@ ENCODE = pb.DESCRIPTOR.services_by_name["EncoderService"].full_name
 def items(n: int, first_width: int = 8) -> list[dict]:
     """Images of distinct widths: the server's stand-in tower gives each its own embedding."""
     return [{"modality": "image", "data": image_bytes(first_width + i, 8, seed=i)} for i in range(n)]
-
-
-def assert_same_bytes(got, want) -> None:
-    assert [i.index for i in got.items] == [i.index for i in want.items]
-    for a, b in zip(got.items, want.items):
-        assert a.embedding.dtype == b.embedding.dtype and a.embedding.shape == b.embedding.shape
-        assert torch.equal(a.embedding.view(torch.uint8), b.embedding.view(torch.uint8))
-        assert (a.deepstack is None) == (b.deepstack is None)
-        if a.deepstack is not None:
-            assert torch.equal(a.deepstack.view(torch.uint8), b.deepstack.view(torch.uint8))
 
 
 def engine_receiver(urls: list[str], **pool) -> EncoderReceiver:
@@ -135,6 +126,40 @@ async def test_a_real_towers_items_arrive_as_the_streams_bytes(default_model_dir
             assert rx.transfer_stats.items_mooncake == 3 and not rx.transfer_stats.fallbacks
     assert over_engine.items[-1].embedding.numel() * 4 > 4 << 20
     assert_same_bytes(over_engine, over_grpc)
+
+
+async def test_leased_items_fetch_through_the_engine_into_the_callers_tensor_freeing_the_slot(
+    default_model_dir,
+):
+    """Fetch (the vLLM connector's path) offers the engine too; a caller's own tensor takes a copy."""
+    images = [{"data": image_bytes(64, 48, seed=1)}, {"data": image_bytes(96, 64, seed=2)}]
+    async with (
+        running_server(default_model_dir, mooncake=MooncakeConfig(min_bytes=0)) as server,
+        engine_receiver([server.url], slots=2) as rx,
+    ):
+        encoded = await rx.encode("r", images, lease_ms=30_000)
+        # Both slots are under `encoded`'s items: these fetches' payloads come as chunks.
+        fetched = await rx.fetch("f", encoded.items[0].lease.key)
+        assert torch.equal(fetched.embedding, encoded.items[0].embedding)
+        given = []
+
+        def allocate(shape, dtype):
+            given.append(torch.empty(shape, dtype=dtype))
+            return given[-1]
+
+        copied = await rx.fetch("g", encoded.items[1].lease.key, allocate=allocate)
+        assert copied.embedding.data_ptr() == given[0].data_ptr()
+        assert torch.equal(copied.embedding, encoded.items[1].embedding)
+        assert rx.transfer_stats.items_mooncake == 2 and rx.transfer_stats.fallbacks == {
+            "mooncake_pool_full": 2
+        }
+        del encoded, fetched
+        encoded = await rx.encode("r2", images[:1], lease_ms=30_000)
+        copied = await rx.fetch("h", encoded.items[0].lease.key, allocate=allocate)
+        assert torch.equal(copied.embedding, encoded.items[0].embedding)
+        assert rx.transfer_stats.items_mooncake == 4  # through a slot, copied out and freed at once
+        del encoded
+        assert rx._transport.pool.counts() == (2, 0)
 
 
 async def test_a_full_pool_sends_the_rest_as_chunks_and_slots_under_results_are_never_rewritten(
@@ -298,9 +323,14 @@ async def test_auto_offers_the_engine_once_an_encoder_shows_it_is_on_another_hos
     try:
         async with EncoderReceiver([server.url]) as rx:  # transfer="auto"
             first = await rx.encode("first", items(2))
-            assert rx.transfer_stats.fallbacks == {"probe_unreadable": 2} and rx.transfer_stats.items_mooncake == 0
+            assert (
+                rx.transfer_stats.fallbacks == {"probe_unreadable": 2}
+                and rx.transfer_stats.items_mooncake == 0
+            )
             second = await rx.encode("second", items(2))
-            assert rx.transfer_stats.items_mooncake == 2 and rx.transfer_stats.fallbacks == {"probe_unreadable": 2}
+            assert rx.transfer_stats.items_mooncake == 2 and rx.transfer_stats.fallbacks == {
+                "probe_unreadable": 2
+            }
         assert_same_bytes(second, first)
     finally:
         server.stop(grace_s=10)

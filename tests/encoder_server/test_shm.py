@@ -34,6 +34,7 @@ from receiver.transports.stream import StreamTransport
 from testkit import REPO_ROOT
 from testkit.encoders import EncoderDouble
 from testkit.images import image_bytes
+from testkit.results import assert_same_bytes
 from testkit.launcher import launch_server
 from testkit.servers import running_server, wait_until
 from testkit.shm_dirs import small_shm_dir
@@ -61,16 +62,6 @@ def files_of(instance: str) -> list[str]:
 
 def segments_of(instance: str) -> list[str]:
     return [name for name in files_of(instance) if ".seg." in name]
-
-
-def assert_same_bytes(got, want) -> None:
-    assert [i.index for i in got.items] == [i.index for i in want.items]
-    for a, b in zip(got.items, want.items):
-        assert a.embedding.dtype == b.embedding.dtype and a.embedding.shape == b.embedding.shape
-        assert torch.equal(a.embedding.view(torch.uint8), b.embedding.view(torch.uint8))
-        assert (a.deepstack is None) == (b.deepstack is None)
-        if a.deepstack is not None:
-            assert torch.equal(a.deepstack.view(torch.uint8), b.deepstack.view(torch.uint8))
 
 
 def offer_request(request_id: str, shm: ShmReceiver, n: int, width: int = 8) -> pb.EncodeRequest:

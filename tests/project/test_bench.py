@@ -54,6 +54,15 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert results["transport"]["small"]["ours_vs_bare_latency"] > 0
     # Mooncake is optional: measured when installed, else the reason it was skipped.
     assert results["transport"]["mooncake"] == "measured" or "Error" in results["transport"]["mooncake"]
+    engine = results["transport"].get("engine")
+    assert (engine is None) == (results["transport"]["mooncake"] != "measured")
+    for size in ("7MiB", "32MiB") if engine else ():  # our transfer-engine path, with both sides' CPU
+        row = engine[size]
+        assert set(row["gbps"]) == {"engine_seq", "engine_x4", "stream_cached_seq", "stream_cached_x4", "bare_seq",
+                                    "bare_x4", "memcpy"} and all(v > 0 for v in row["gbps"].values())  # fmt: skip
+        assert row["engine_vs_stream_seq"] > 0 and row["engine_vs_stream_x4"] > 0
+        assert all(cpu["receiver"] >= 0 and cpu["server"] >= 0 for cpu in row["cpu_s_per_gb"].values())
+    assert engine is None or engine["declined_offer"]["auto_vs_grpc"] > 0
     assert results["serving"]["server_images_per_s"]["median"] > 0
     assert results["serving"]["in_process_images_per_s"]["median"] > 0
     assert results["batching"]["clients"] == 16
@@ -67,7 +76,9 @@ def test_quick_benchmark_writes_every_section(tmp_path):
         assert set(tracing["cpu_us_per_call"]) == {"on", "off"}
 
     goals = {(goal["goal"], goal["target"]): goal for goal in results["goals"]}  # one ratio may have two targets
-    assert len(goals) == 2 * 14 + 1 + 4 + 4 + 2 and all(isinstance(goal["met"], bool) for goal in goals.values())
+    engine_goals = 5 if engine else 0
+    goals_expected = 2 * 14 + 1 + 4 + 4 + 2 + engine_goals
+    assert len(goals) == goals_expected and all(isinstance(goal["met"], bool) for goal in goals.values())
     assert "goal transport 7 MiB: shared memory x4 / zmq >= 2.0" in run.stdout
     with_ceiling = [goal for goal in goals.values() if "ceiling" in goal]
     assert len(with_ceiling) == 2 * 4 and all(goal["reachable"] == (goal["ceiling"] >= goal["target"]) for goal in with_ceiling)
