@@ -1,6 +1,7 @@
 """EncoderServiceConnector in a real vLLM (ec_consumer, CPU): embeddings fetched from the encoders by lease
 key give vLLM-alone's tokens and logprobs, the consumer's own vision tower never runs for them (its
-weights are zeroed), and a lost embedding fails only its request while the engine keeps serving."""
+weights are zeroed), a lost embedding fails only its request while the engine keeps serving, and the
+fetches are spans of the request's trace when vLLM traces."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.handoff import leased_part
 from receiver import EncoderReceiver
 from testkit.launcher import launch_server
+from testkit.otlp_collector import OtlpCollector, children
 from testkit.servers import running_server
 from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm
 from tests.support.gateway import (
@@ -108,14 +110,23 @@ def killable_encoder(default_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def consumer(reference, encoders, killable_encoder, zeroed_tower_model, tmp_path_factory):
-    """vLLM as ec_consumer with EncoderServiceConnector, on the zeroed-tower checkpoint."""
+def collector():
+    """The OTLP endpoint the consumer exports its traces to."""
+    with OtlpCollector() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+async def consumer(reference, encoders, killable_encoder, zeroed_tower_model, tmp_path_factory, collector):
+    """vLLM as ec_consumer with EncoderServiceConnector, on the zeroed-tower checkpoint, tracing."""
     urls = [server.url for server in encoders] + [killable_encoder.url]
     log_path = tmp_path_factory.mktemp("vllm-consumer") / "vllm.log"
+    transfer = ["--ec-transfer-config", connector_transfer_config(urls, timeout=60)]
     with launch_vllm(
         zeroed_tower_model,
         log_path=log_path,
-        extra_args=served(["--ec-transfer-config", connector_transfer_config(urls, timeout=60)]),
+        extra_args=served([*transfer, "--otlp-traces-endpoint", collector.endpoint]),
+        extra_env={"OTEL_SERVICE_NAME": "vllm-consumer", "OTEL_BSP_SCHEDULE_DELAY": "100"},
     ) as server:
         yield server
 
@@ -240,3 +251,27 @@ async def test_an_unknown_uuid_without_its_embedding_fails_that_request_only(
     assert status >= 400 and "error" in body
     await assert_engine_serves(session, consumer, encoders, reference, "after-unknown")
 
+
+async def test_the_connectors_fetches_join_the_requests_trace(consumer, encoders, collector, session):
+    """A request carrying a `traceparent`: each leased item's fetch in vLLM's engine core is a span of that
+    trace, with the receiver's Fetch call under it."""
+    trace_id, caller = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"
+    parts = await leased_parts([encoders[0].url], CASES["2"])
+    body = chat_request(MODEL, parts)
+    headers = {"traceparent": f"00-{trace_id}-{caller}-01"}
+    async with session.post(f"{consumer.url}/v1/chat/completions", json=body, headers=headers) as reply:
+        assert reply.status == 200, await reply.text()
+
+    def fetched(spans) -> bool:  # both items' fetches, and vLLM's span of the request, which ends last
+        names = [s.name for s in spans if s.trace_id == trace_id]
+        return names.count("connector.fetch") == 2 and "llm_request" in names
+
+    await asyncio.to_thread(collector.wait_for, fetched, 60)
+    trace = collector.trace(trace_id)
+    fetches = [span for span in trace if span.name == "connector.fetch"]
+    assert all(span.parent_id == caller and span.service == "vllm-consumer" for span in fetches)
+    for fetch in fetches:
+        (receiver_fetch,) = children(trace, fetch, "receiver.fetch")
+        (call,) = children(trace, receiver_fetch, "encoder.v1.EncoderService/Fetch")
+        assert call.kind == "CLIENT" and call.attributes["rpc.grpc.status_code"] == 0
+        assert call.attributes["encoder.url"] == encoders[0].url
