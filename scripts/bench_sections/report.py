@@ -51,7 +51,7 @@ GOALS = [
 # receiver's CPU per GB against the stream's; a declined offer against no offer at all.
 GOALS += [
     *[(f"transport 7 MiB: transfer engine {mode} / stream {mode}", "transport", ("engine", "7MiB", f"engine_vs_stream_{mode}"),
-       1.8, True, None) for mode in ("seq", "x4")],
+       1.8, True, ("engine", "7MiB", "ceilings", f"engine_vs_stream_{mode}")) for mode in ("seq", "x4")],
     *[(f"transport 7 MiB: transfer engine {mode} receiver CPU per GB / stream's", "transport",
        ("engine", "7MiB", f"receiver_cpu_engine_vs_stream_{mode}"), 0.5, False, None) for mode in ("seq", "x4")],
     ("transport 7 MiB: auto with its offer declined / grpc", "transport", ("engine", "declined_offer", "auto_vs_grpc"),
@@ -150,7 +150,7 @@ def engine_rows(e: dict) -> list[Row]:
         r = e[size]
         g, cpu = r["gbps"], r["cpu_s_per_gb"]
         for mode in ("seq", "x4"):
-            engine, stream = cpu[f"engine_{mode}"], cpu[f"stream_cached_{mode}"]
+            engine, stream, raw = cpu[f"engine_{mode}"], cpu[f"stream_cached_{mode}"], cpu[f"raw_{mode}"]
             rows.append((
                 f"transfer engine {size} {mode}",
                 f"ours {g[f'engine_{mode}']:.2f} GB/s (CPU s/GB receiver {engine['receiver']:.2f}, server {engine['server']:.2f})",
@@ -158,6 +158,12 @@ def engine_rows(e: dict) -> list[Row]:
                  f"bare grpcio {g[f'bare_{mode}']:.2f} / memcpy {g['memcpy']:.1f} GB/s"),
                 (f"{r[f'engine_vs_stream_{mode}']:.2f}x / {r[f'engine_vs_bare_{mode}']:.2f}x / "
                  f"{r[f'engine_vs_memcpy_{mode}']:.2f}x; receiver CPU {r[f'receiver_cpu_engine_vs_stream_{mode}']:.2f}x"),
+            ))
+            rows.append((
+                f"  engine alone {size} {mode}",
+                f"{g[f'raw_{mode}']:.2f} GB/s (CPU s/GB writer {raw['receiver']:.2f}, target {raw['server']:.2f})",
+                f"ceiling of ours / stream {r['ceilings'][f'engine_vs_stream_{mode}']:.2f}x",
+                f"ours {r[f'engine_vs_raw_{mode}']:.2f}x of it",
             ))  # fmt: skip
     d = e["declined_offer"]
     rows.append(("  7MiB seq, offer declined", f"auto {d['auto_gbps']:.2f} GB/s", f"grpc {d['grpc_gbps']:.2f} GB/s",

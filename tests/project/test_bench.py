@@ -58,9 +58,11 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert (engine is None) == (results["transport"]["mooncake"] != "measured")
     for size in ("7MiB", "32MiB") if engine else ():  # our transfer-engine path, with both sides' CPU
         row = engine[size]
-        assert set(row["gbps"]) == {"engine_seq", "engine_x4", "stream_cached_seq", "stream_cached_x4", "bare_seq",
-                                    "bare_x4", "memcpy"} and all(v > 0 for v in row["gbps"].values())  # fmt: skip
+        assert set(row["gbps"]) == {"engine_seq", "engine_x4", "raw_seq", "raw_x4", "stream_cached_seq",
+                                    "stream_cached_x4", "bare_seq", "bare_x4", "memcpy"}  # fmt: skip
+        assert all(v > 0 for v in row["gbps"].values())
         assert row["engine_vs_stream_seq"] > 0 and row["engine_vs_stream_x4"] > 0
+        assert 0 < row["ceilings"]["engine_vs_stream_seq"] and 0 < row["ceilings"]["engine_vs_stream_x4"]
         assert all(cpu["receiver"] >= 0 and cpu["server"] >= 0 for cpu in row["cpu_s_per_gb"].values())
     assert engine is None or engine["declined_offer"]["auto_vs_grpc"] > 0
     assert results["serving"]["server_images_per_s"]["median"] > 0
@@ -81,6 +83,6 @@ def test_quick_benchmark_writes_every_section(tmp_path):
     assert len(goals) == goals_expected and all(isinstance(goal["met"], bool) for goal in goals.values())
     assert "goal transport 7 MiB: shared memory x4 / zmq >= 2.0" in run.stdout
     with_ceiling = [goal for goal in goals.values() if "ceiling" in goal]
-    assert len(with_ceiling) == 2 * 4 and all(goal["reachable"] == (goal["ceiling"] >= goal["target"]) for goal in with_ceiling)
+    assert len(with_ceiling) == 2 * 4 + (2 if engine else 0) and all(goal["reachable"] == (goal["ceiling"] >= goal["target"]) for goal in with_ceiling)
     assert "goal batching: on / off >= 1.5" in run.stdout  # the printed table
     assert f"wrote {out}" in run.stdout
