@@ -1,13 +1,14 @@
 """OpenTelemetry tracing for the gateway, the receiver and the encoder server (the `tracing` extra):
-configuration from a flag and the standard OTEL_* variables, spans that are one shared no-op while
-tracing is off, and the W3C trace context carried in gRPC metadata and HTTP headers. Nothing imports
-opentelemetry until `configure` (or `use_host_provider`) turns tracing on."""
+configuration from a flag and the standard OTEL_* variables, export over OTLP/HTTP or OTLP/gRPC, spans
+that are one shared no-op while tracing is off, and the W3C trace context carried in gRPC metadata and
+HTTP headers. Nothing imports opentelemetry until `configure` (or `use_host_provider`) turns it on."""
 
 from __future__ import annotations
 
 import argparse
 import contextvars
 import functools
+import importlib
 import logging
 import os
 import time
@@ -21,6 +22,11 @@ log = logging.getLogger(__name__)
 # Where OTLP traces go when no flag says: the exporter's own variables, most specific first.
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+# The OTLP exporter module of each protocol (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL's values).
+EXPORTERS = {
+    "http/protobuf": "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+}
 INSTRUMENTATION = "encoder-service"
 
 # Span kinds by name, resolved to opentelemetry's SpanKind once tracing is on.
@@ -91,10 +97,10 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--otlp-traces-endpoint",
         default=None,
-        help="export OpenTelemetry traces over OTLP/gRPC to this collector, e.g. http://collector:4317 "
-        "(needs the tracing extra); unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT "
-        "when set, else no tracing. Sampling, service name and exporter settings follow the OTEL_* variables "
-        "(docs/tracing.md)",
+        help="export OpenTelemetry traces over OTLP to this collector: http://collector:4318/v1/traces, or "
+        "http://collector:4317 with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc (needs the tracing extra); unset: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT when set, else no tracing. Sampling, "
+        "service name and exporter settings follow the OTEL_* variables (docs/tracing.md)",
     )
 
 
@@ -110,28 +116,37 @@ def configure_from_args(args: argparse.Namespace, service_name: str) -> bool:
 
 def configure(service_name: str, endpoint: str | None = None) -> bool:
     """Turns tracing on for this process when `endpoint` or an OTEL endpoint variable names a collector,
-    and OTEL_SDK_DISABLED / OTEL_TRACES_EXPORTER do not turn it off. Spans go to an OTLP/gRPC exporter
-    through a batching processor; the sampler is the SDK's (OTEL_TRACES_SAMPLER, default: the parent's
-    decision, else always); `service_name` unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES name one.
+    and OTEL_SDK_DISABLED / OTEL_TRACES_EXPORTER do not turn it off. Spans go through a batching
+    processor to an OTLP exporter: over HTTP (`http/protobuf`, OpenTelemetry's default; `endpoint` is then
+    the whole URL, e.g. http://collector:4318/v1/traces) or over gRPC (`grpc`) as the OTEL protocol
+    variables say. The sampler is the SDK's (OTEL_TRACES_SAMPLER, default: the parent's decision, else
+    always); the service name `service_name` unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES name one.
     Returns whether tracing is on.
+
+    HTTP is the default because gRPC's exporter is a synchronous gRPC client: beside the grpc.aio calls of
+    the process it starts gRPC's own I/O threads, which then carry those calls' traffic too and cost the
+    data path far more than the spans do (docs/tracing.md).
 
     Raises ImportError (naming the extra) when `endpoint` was given and opentelemetry is not installed; an
     endpoint from the environment alone then only logs a warning, since a cluster may set it for every pod.
-    Raises ValueError for an exporter or protocol other than OTLP over gRPC.
+    Raises ValueError for an exporter other than OTLP or a protocol other than these two.
     """
     global _tracer, _provider, _otel
     asked = endpoint is not None
-    endpoint = endpoint or next((os.environ[v] for v in ENDPOINT_VARIABLES if os.environ.get(v)), None)
-    if not endpoint or _env_flag("OTEL_SDK_DISABLED") or os.environ.get("OTEL_TRACES_EXPORTER") == "none":
+    if not (endpoint or any(os.environ.get(v) for v in ENDPOINT_VARIABLES)):
+        return False
+    if _env_flag("OTEL_SDK_DISABLED") or os.environ.get("OTEL_TRACES_EXPORTER") == "none":
         return False
     exporter = os.environ.get("OTEL_TRACES_EXPORTER", "otlp")
     if exporter != "otlp":
         raise ValueError(f"OTEL_TRACES_EXPORTER={exporter!r}: only 'otlp' (or 'none') is supported")
-    protocol = next((os.environ[v] for v in PROTOCOL_VARIABLES if os.environ.get(v)), "grpc")
-    if protocol != "grpc":
-        raise ValueError(f"OTLP protocol {protocol!r}: traces are exported over 'grpc' only")
+    protocol = next((os.environ[v] for v in PROTOCOL_VARIABLES if os.environ.get(v)), "http/protobuf")
+    if protocol not in EXPORTERS:
+        raise ValueError(
+            f"OTLP protocol {protocol!r}: traces are exported over {' or '.join(map(repr, EXPORTERS))}"
+        )
     try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        exporter_class = importlib.import_module(EXPORTERS[protocol]).OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -148,10 +163,12 @@ def configure(service_name: str, endpoint: str | None = None) -> bool:
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": service_name}))
     provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    # endpoint=None: the exporter reads the OTEL endpoint variables itself, by the specification's rules.
+    provider.add_span_processor(BatchSpanProcessor(exporter_class(endpoint=endpoint)))
     _otel, _provider = _OtelNames(), provider
     _tracer = provider.get_tracer(INSTRUMENTATION)
-    log.info("tracing: OTLP/gRPC to %s as %s", endpoint, resource.attributes.get("service.name"))
+    where = endpoint or next(os.environ[v] for v in ENDPOINT_VARIABLES if os.environ.get(v))
+    log.info("tracing: OTLP %s to %s as %s", protocol, where, resource.attributes.get("service.name"))
     return True
 
 

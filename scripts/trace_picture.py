@@ -59,7 +59,7 @@ async def record(path: Path) -> None:
             launch_vllm(
                 model,
                 log_path=work / "vllm.log",
-                extra_args=("--otlp-traces-endpoint", collector.endpoint),
+                extra_args=("--otlp-traces-endpoint", collector.grpc_endpoint),  # vLLM's default: OTLP/gRPC
                 extra_env={"OTEL_SERVICE_NAME": "vllm", **quick_export},
             )
         )

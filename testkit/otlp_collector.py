@@ -1,18 +1,22 @@
-"""A real OTLP/gRPC trace endpoint on 127.0.0.1: the OpenTelemetry collector's `TraceService.Export`
-(opentelemetry-proto), keeping every span the exporters send, for the tracing tests, the benchmark and
-the docs' trace picture.
+"""A real OTLP trace endpoint on 127.0.0.1, as the OpenTelemetry collector serves one (opentelemetry-proto):
+`TraceService.Export` over gRPC and `POST /v1/traces` over HTTP, keeping every span the exporters send,
+for the tracing tests, the benchmark and the docs' trace picture.
 
-    with OtlpCollector() as collector:     # in-process, on a thread pool of its own
-        ... collector.endpoint ...         # http://127.0.0.1:<port>, for --otlp-traces-endpoint
+    with OtlpCollector() as collector:     # in-process, on threads of its own
+        collector.endpoint                 # OTLP/HTTP: http://127.0.0.1:<port>/v1/traces
+        collector.grpc_endpoint            # OTLP/gRPC: http://127.0.0.1:<port>
         spans = collector.wait_for(lambda spans: ..., timeout=30)
 
-`python -m testkit.otlp_collector [--save spans.json]` runs it as a process (`ready on 127.0.0.1:<port>`),
-writing what it received as JSON when stopped by SIGTERM.
+`python -m testkit.otlp_collector [--save spans.json]` runs it as a process (`ready on 127.0.0.1:<port>`,
+the HTTP port; the gRPC one follows as `grpc on 127.0.0.1:<port>`), writing what it received as JSON when
+stopped by SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import gzip
 import json
 import signal
 import threading
@@ -20,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Self
 
@@ -96,27 +101,39 @@ def spans_of(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Expor
 
 
 class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
-    """Keeps every exported span; `wait_for` polls them until a condition holds."""
+    """Keeps every exported span, whichever transport brought it; `wait_for` polls them until a condition
+    holds."""
 
     def __init__(self) -> None:
         self._spans: list[ExportedSpan] = []
         self._lock = threading.Lock()
-        self.exports = 0  # Export calls answered
+        self.exports = {"grpc": 0, "http": 0}  # export requests answered, by transport
         self._server = grpc.server(ThreadPoolExecutor(2, thread_name_prefix="otlp-collector"))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self.grpc_port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_HttpExport, self))
+        self.port = self._http.server_address[1]
+        threading.Thread(target=self._http.serve_forever, name="otlp-collector-http", daemon=True).start()
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """The OTLP/HTTP endpoint (the tracing extra's default protocol)."""
+        return f"http://127.0.0.1:{self.port}/v1/traces"
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.grpc_port}"
 
     def Export(self, request, context):
+        self.received(request, "grpc")
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def received(self, request: trace_service_pb2.ExportTraceServiceRequest, transport: str) -> None:
         spans = spans_of(request)
         with self._lock:
             self._spans.extend(spans)
-            self.exports += 1
-        return trace_service_pb2.ExportTraceServiceResponse()
+            self.exports[transport] += 1
 
     @property
     def spans(self) -> list[ExportedSpan]:
@@ -145,12 +162,40 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
 
     def stop(self) -> None:
         self._server.stop(grace=None)
+        self._http.shutdown()
+        self._http.server_close()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+class _HttpExport(BaseHTTPRequestHandler):
+    """OTLP/HTTP: `POST /v1/traces` with an ExportTraceServiceRequest in binary protobuf (gzip allowed)."""
+
+    def __init__(self, collector: OtlpCollector, *args) -> None:
+        self.collector = collector
+        super().__init__(*args)
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        if self.path != "/v1/traces" or self.headers.get("Content-Type") != "application/x-protobuf":
+            self.send_error(404 if self.path != "/v1/traces" else 415)
+            return
+        self.collector.received(trace_service_pb2.ExportTraceServiceRequest.FromString(body), "http")
+        reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format: str, *args) -> None:
+        pass  # one line per export would drown a test's output
 
 
 def tree_root(spans: list[ExportedSpan], parent_id: str = "") -> ExportedSpan:
@@ -185,7 +230,7 @@ if __name__ == "__main__":
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     with OtlpCollector() as collector:
-        print(f"ready on 127.0.0.1:{collector.port}", flush=True)
+        print(f"ready on 127.0.0.1:{collector.port}\ngrpc on 127.0.0.1:{collector.grpc_port}", flush=True)
         stopped.wait()
         if args.save:
             collector.save(args.save)

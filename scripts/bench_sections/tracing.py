@@ -1,10 +1,12 @@
 """The tracing section: the encode path with tracing on, every request sampled, against tracing off, in
 the same run: one receiver `encode` of a cached item (7 MiB, and the small one) into a fixed-payload
-server, traced on both sides and exported over OTLP/gRPC to a collector process, or untraced on both."""
+server, traced on both sides and exported to a collector process over OTLP/HTTP (the default) or
+OTLP/gRPC, or untraced on both."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -16,7 +18,8 @@ from .profile import MiB
 from .transport_items import SMALL, TRANSPORT_HIDDEN, item_tokens, request_jpeg
 
 SIZES = {"7MiB": 7 * MiB, "small": SMALL}
-MODES = ("on", "off")
+MODES = ("off", "http", "grpc")  # untraced; traced, exporting over OTLP/HTTP (the default); over OTLP/gRPC
+PROTOCOLS = {"http": "http/protobuf", "grpc": "grpc"}
 SMALL_CALLS_PER_LARGE = 4  # the small item's calls take a fraction of the 7 MiB one's
 # How often spans are exported, on both sides: often enough that a measured block of calls pays for the
 # export of its own spans (the SDK's default, 5 s, would leave the receiver's to the flush after it).
@@ -28,28 +31,31 @@ def server_name(size: str, mode: str) -> str:
 
 
 async def processes(ctx: Context) -> dict:
-    """Starts the collector, then returns the starts of a traced and an untraced fixed-payload server per
-    item size (the traced ones export to the collector, every request sampled)."""
+    """Starts the collector, then returns the starts of an untraced fixed-payload server per item size and
+    a traced one per protocol (exporting to the collector, every request sampled)."""
     children = ctx.children
     collector = await children.spawn("otlp-collector", [sys.executable, "-m", "testkit.otlp_collector"], 1)
+    grpc_port = re.search(r"grpc on \S+:(\d+)", collector.log()).group(1)
+    endpoints = {
+        "http": f"http://127.0.0.1:{collector.port}/v1/traces",
+        "grpc": f"http://127.0.0.1:{grpc_port}",
+    }
     ctx.tracing_env = {
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{collector.port}",
-        "OTEL_TRACES_SAMPLER": "always_on",
-        "OTEL_SERVICE_NAME": "bench-encoder",
-        "OTEL_BSP_SCHEDULE_DELAY": EXPORT_DELAY_MS,
+        mode: {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoints[mode],
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": PROTOCOLS[mode],
+            "OTEL_TRACES_SAMPLER": "always_on",
+            "OTEL_SERVICE_NAME": "bench-encoder",
+            "OTEL_BSP_SCHEDULE_DELAY": EXPORT_DELAY_MS,
+        }
+        for mode in PROTOCOLS
     }
     starts = {}
     for size, nbytes in SIZES.items():
+        argv = [sys.executable, "-m", "testkit.fixed_server", str(item_tokens(nbytes)), str(TRANSPORT_HIDDEN)]
         for mode in MODES:
-            argv = [
-                sys.executable,
-                "-m",
-                "testkit.fixed_server",
-                str(item_tokens(nbytes)),
-                str(TRANSPORT_HIDDEN),
-            ]
             name = server_name(size, mode)
-            starts[name] = children.spawn(name, argv, 1, env=ctx.tracing_env if mode == "on" else None)
+            starts[name] = children.spawn(name, argv, 1, env=ctx.tracing_env.get(mode))
     return starts
 
 
@@ -57,7 +63,6 @@ async def run(ctx: Context) -> dict:
     from receiver import EncoderReceiver
 
     p = ctx.profile
-    endpoint = ctx.tracing_env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
     image = request_jpeg(seed=0)
     receivers = {
         (size, mode): EncoderReceiver([ctx.servers[server_name(size, mode)].url], transfer="grpc")
@@ -79,8 +84,11 @@ async def run(ctx: Context) -> dict:
                 receivers[size, mode],
                 (os.getpid(), ctx.servers[server_name(size, mode)].process.pid),
             )
-            if mode == "on":
-                tracing.configure("bench-receiver", endpoint)
+            if mode != "off":  # the receiver's side as its server's: the same endpoint and protocol
+                os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = PROTOCOLS[mode]
+                tracing.configure(
+                    "bench-receiver", ctx.tracing_env[mode]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+                )
             try:
                 cpu, started = process_cpu_seconds(*pids), time.perf_counter()
                 for _ in range(calls[size]):
@@ -102,16 +110,19 @@ async def run(ctx: Context) -> dict:
         runs = await interleaved("tracing", p.transport_rounds, measures)
     finally:
         os.environ.pop("OTEL_BSP_SCHEDULE_DELAY")
+        os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None)
         for receiver in receivers.values():
             await receiver.close()
     # The receiver's sampler is the SDK's default (parentbased_always_on): every request it starts is sampled.
-    result: dict = {"sampler": ctx.tracing_env["OTEL_TRACES_SAMPLER"], "calls_per_round": calls}
+    result: dict = {"sampler": ctx.tracing_env["http"]["OTEL_TRACES_SAMPLER"], "calls_per_round": calls}
     for size in SIZES:
-        on, off = runs[f"{size}_on"], runs[f"{size}_off"]
+        off = runs[f"{size}_off"]
         result[size] = {
-            "on_ms": median(on) * 1000,  # a block's mean, the median over rounds
-            "off_ms": median(off) * 1000,
-            "on_vs_off": paired_ratio(on, off),
+            "off_ms": median(off) * 1000,  # a block's mean, the median over rounds
+            "on_ms": median(runs[f"{size}_http"]) * 1000,
+            "on_vs_off": paired_ratio(runs[f"{size}_http"], off),  # the default protocol
+            "grpc_ms": median(runs[f"{size}_grpc"]) * 1000,
+            "grpc_vs_off": paired_ratio(runs[f"{size}_grpc"], off),
             "cpu_us_per_call": {
                 mode: cpu_seconds[size, mode] / (calls[size] * p.transport_rounds) * 1e6 for mode in MODES
             },

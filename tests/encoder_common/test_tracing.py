@@ -83,10 +83,14 @@ def test_off_unless_a_collector_is_named(otel_env):
             "zipkin",
             "OTEL_TRACES_EXPORTER='zipkin': only 'otlp' (or 'none') is supported",
         ),
-        ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf", "traces are exported over 'grpc' only"),
+        (
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "http/json",
+            "traces are exported over 'http/protobuf' or 'grpc'",
+        ),
     ],
 )
-def test_an_exporter_other_than_otlp_grpc_is_refused(otel_env, variable, value, message):
+def test_an_exporter_other_than_otlp_over_http_or_grpc_is_refused(otel_env, variable, value, message):
     otel_env.setenv(variable, value)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         tracing.configure("tests", "http://127.0.0.1:1")
@@ -158,6 +162,24 @@ async def test_a_refused_item_fails_the_client_span_not_the_servers(traced, serv
     (served,) = children(trace, client, ENCODE)
     assert client.status == "ERROR" and client.attributes["rpc.grpc.status_code"] == 3
     assert served.status == "UNSET" and served.attributes["rpc.grpc.status_code"] == 3
+
+
+async def test_spans_go_over_otlp_http_by_default_and_over_grpc_when_asked(
+    otel_env, collector, default_model_dir
+):
+    for protocol, endpoint in (("http/protobuf", collector.endpoint), ("grpc", collector.grpc_endpoint)):
+        otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+        before = dict(collector.exports)
+        assert tracing.configure("tests", endpoint)
+        async with running_server(default_model_dir) as server, EncoderReceiver([server.url]) as receiver:
+            await receiver.encode(f"over-{protocol}", [{"data": image_bytes(56, 84, seed=5)}])
+        tracing.shutdown()  # exports the rest
+        transport = "grpc" if protocol == "grpc" else "http"
+        assert collector.exports[transport] > before[transport]
+        assert {n: collector.exports[n] - before[n] for n in before if n != transport} == {
+            n: 0 for n in before if n != transport
+        }
+        assert any(s.attributes.get("encoder.request_id") == f"over-{protocol}" for s in collector.spans)
 
 
 async def test_sampling_follows_otel_traces_sampler(otel_env, collector, default_model_dir):

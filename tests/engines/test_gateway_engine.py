@@ -44,7 +44,8 @@ def collector():
 
 @pytest.fixture(scope="module")
 def vllm(default_model_dir, tmp_path_factory, collector):
-    otlp = ("--otlp-traces-endpoint", collector.endpoint)  # vLLM's spans join the gateway's traceparent
+    # vLLM exports over OTLP/gRPC (its default), the encoders and the gateway over OTLP/HTTP (ours).
+    otlp = ("--otlp-traces-endpoint", collector.grpc_endpoint)  # vLLM's spans join the gateway's traceparent
     with engine_server(default_model_dir, tmp_path_factory.mktemp("vllm"), extra_args=otlp) as server:
         yield server
 

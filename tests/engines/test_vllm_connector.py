@@ -125,7 +125,7 @@ async def consumer(reference, encoders, killable_encoder, zeroed_tower_model, tm
     with launch_vllm(
         zeroed_tower_model,
         log_path=log_path,
-        extra_args=served([*transfer, "--otlp-traces-endpoint", collector.endpoint]),
+        extra_args=served([*transfer, "--otlp-traces-endpoint", collector.grpc_endpoint]),
         extra_env={"OTEL_SERVICE_NAME": "vllm-consumer", "OTEL_BSP_SCHEDULE_DELAY": "100"},
     ) as server:
         yield server
