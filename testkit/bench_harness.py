@@ -338,5 +338,5 @@ def record_result(
         "result": result,
     }
     path = Path(directory or RESULTS_DIR) / f"{name}.json"
-    write_json(path, document)
+    write_json(path, json.loads(json.dumps(document, default=str)))  # paths and the like as text
     return path
