@@ -322,7 +322,7 @@ def record_result(
 ) -> Path:
     """Writes `<directory>/<name>.json`: the run's figures under `result`, beside the machine, its load
     (a `MachineLoad` started with the run, or the load average now), the date, the commit (and whether
-    the checkout had changes) and the command. Returns the path."""
+    the code that ran had uncommitted changes) and the command. Returns the path."""
     if isinstance(load, MachineLoad):
         load = load.summary()
     now = datetime.datetime.now(datetime.UTC)
@@ -331,7 +331,12 @@ def record_result(
         "date": now.date().isoformat(),
         "started_utc": now.isoformat(timespec="seconds"),
         "commit": _git("rev-parse", "HEAD"),
-        "checkout_changed": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # Uncommitted changes to what runs (the docs and the results themselves do not count).
+        "checkout_changed": bool(
+            _git(
+                "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs", ":!*.md", ":!benchmarks"
+            )
+        ),
         "command": command or " ".join(["python", *sys.argv]),
         "machine": machine_info(),
         "load": load or {"load_average_after": [round(v, 2) for v in os.getloadavg()]},
