@@ -66,11 +66,11 @@ def machine(doc: dict) -> str:
 
 def load(doc: dict) -> str:
     load = doc["load"]
-    text = f"load average {load['load_average_after'][0]:.1f} at the end"
+    text = f"load average {load['load_average_after'][0]:.1f} after"
     if "load_average_before" in load:
         text = f"load average {load['load_average_before'][0]:.1f} before, {load['load_average_after'][0]:.1f} after"
     if "others_cores_mean" in load:
-        text += f"; other processes used {load['others_cores_mean']:.1f} cores on average"
+        text += f", other processes {load['others_cores_mean']:.1f} cores"
     return text
 
 
@@ -82,7 +82,7 @@ def caption(page: Path, root: Path, docs: Sequence[dict], names: Sequence[str]) 
     )
     runs = []
     for doc in docs:
-        run = f"{machine(doc)}, {doc['date']}, {load(doc)}: `{doc['command']}`"
+        run = f"{machine(doc)}, {doc['date']} ({load(doc)}): `{doc['command']}`"
         if run not in runs:
             runs.append(run)
     return f"Measured on {'; and on '.join(runs)}. Data: {links}."
@@ -110,50 +110,41 @@ def goal_cells(goal: dict) -> list[str]:
     return [goal["goal"], f"{sign} {goal['target']:g}", f"{goal['measured']:.2f}", verdict]
 
 
+def goal_cell(goals: list[dict]) -> str:
+    return ", ".join(
+        f"{'>=' if g['at_least'] else '<='} {g['target']:g}: {'met' if g['met'] else 'not met'}"
+        for g in goals
+    )
+
+
 @table("bench-serving")
 def bench_serving(results: Results) -> tuple[list[str], list[str]]:
     """The encoder server against its baselines: serving, batching, scale-out, cache, image sizes."""
     names = ["bench_serving", "bench_batching", "bench_scale_out", "bench_cache", "bench_image_sizes"]
     s = {name.removeprefix("bench_"): results[name]["result"]["section"] for name in names}
+    goals = {name.removeprefix("bench_"): results[name]["result"]["goals"] for name in names}
 
     def rate(r: dict, side: str) -> str:
         return f"{r[f'{side}_images_per_s']['median']:.1f} img/s"
 
     cores = s["scale_out"]["encoder_cores_used"]
     rows = [
-        [
-            f"serving, {s['serving']['image']}",
-            f"server {rate(s['serving'], 'server')}",
-            f"in-process {rate(s['serving'], 'in_process')}",
-            ratio(s["serving"]["ratio"]),
-        ],
-        [
-            f"batching, {s['batching']['clients']} clients",
-            f"on {rate(s['batching'], 'on')}",
-            f"off {rate(s['batching'], 'off')}",
-            ratio(s["batching"]["ratio"]),
-        ],
-        [
-            f"scale-out, {s['scale_out']['image']} (cores used {cores['two']:.2f} vs {cores['one']:.2f})",
-            f"2 processes {rate(s['scale_out'], 'two')}",
-            f"1 process {rate(s['scale_out'], 'one')}",
-            ratio(s["scale_out"]["ratio"]),
-        ],
-        [
-            f"cache, {s['cache']['image']}",
-            f"hit {s['cache']['hit_ms']['median']:.2f} ms",
-            f"miss {s['cache']['miss_ms']['median']:.1f} ms",
-            f"{s['cache']['speedup']:.0f}x faster",
-        ],
-    ]
+        [f"serving, {s['serving']['image']}", f"server {rate(s['serving'], 'server')}",
+         f"in-process {rate(s['serving'], 'in_process')}", ratio(s["serving"]["ratio"]), goal_cell(goals["serving"])],
+        [f"batching, {s['batching']['clients']} clients", f"on {rate(s['batching'], 'on')}",
+         f"off {rate(s['batching'], 'off')}", ratio(s["batching"]["ratio"]), goal_cell(goals["batching"])],
+        [f"scale-out, {s['scale_out']['image']} (cores used {cores['two']:.2f} vs {cores['one']:.2f})",
+         f"2 processes {rate(s['scale_out'], 'two')}", f"1 process {rate(s['scale_out'], 'one')}",
+         ratio(s["scale_out"]["ratio"]), goal_cell(goals["scale_out"])],
+        [f"cache, {s['cache']['image']}", f"hit {s['cache']['hit_ms']['median']:.2f} ms",
+         f"miss {s['cache']['miss_ms']['median']:.1f} ms", f"{s['cache']['speedup']:.0f}x faster",
+         goal_cell(goals["cache"])],
+    ]  # fmt: skip
     for size, r in s["image_sizes"]["sizes"].items():
         rows.append(
-            [f"images {size}", f"{r['images_per_s']:.1f} img/s", f"{r['tokens_per_image']} tokens", ""]
+            [f"images {size}", f"{r['images_per_s']:.1f} img/s", f"{r['tokens_per_image']} tokens", "", ""]
         )
-    lines = markdown(["figure", "ours", "baseline (same run)", "ratio"], rows)
-    goals = [goal_cells(g) for name in names for g in results[name]["result"]["goals"]]
-    lines += ["", *markdown(["goal", "target", "measured", "met"], goals)]
-    return lines, names
+    return markdown(["figure", "ours", "baseline (same run)", "ratio", "goal"], rows), names
 
 
 TRANSPORT_LABELS = {  # gbps key -> what a reader calls it
@@ -189,6 +180,10 @@ def transport_rates(results: Results) -> tuple[list[str], list[str]]:
         + [num(section[size]["gbps"][key]) if key in section[size]["gbps"] else "" for size in sizes]
         for key in keys
     ]
+    if any("mooncake_gbps" in section[size] for size in sizes):
+        rows.append(
+            ["mooncake transfer engine, TCP"] + [num(section[size].get("mooncake_gbps", 0)) for size in sizes]
+        )
     lines = markdown(["path", *(f"{size.removesuffix('MiB')} MiB, GB/s" for size in sizes)], rows)
     small = section.get("small")
     if small:
@@ -209,12 +204,28 @@ def transport_rates(results: Results) -> tuple[list[str], list[str]]:
     return lines, ["bench_transport"]
 
 
-@table("transport-goals")
-def transport_goals(results: Results) -> tuple[list[str], list[str]]:
-    goals = results["bench_transport"]["result"]["goals"]
-    return markdown(["goal", "target", "measured", "met"], [goal_cells(g) for g in goals]), [
-        "bench_transport"
-    ]
+@table("profile-dataplane")
+def profile_dataplane(results: Results) -> tuple[list[str], list[str]]:
+    names = sorted(n for n in results.files if n.startswith("profile_dataplane_"))
+    if not names:
+        raise MissingResult("no result file benchmarks/results/profile_dataplane_*.json")
+    rows = []
+    for name in names:
+        r = results[name]["result"]
+        case = f"{r['payload_bytes'] / 2**20:.0f} MiB, {r['in_flight']} in flight"
+        for row, f in r["rows"].items():
+            rows.append(
+                [
+                    case,
+                    row,
+                    f"{f['wall_ms']:.2f}",
+                    f"{f['server_cpu_ms']:.2f}",
+                    f"{f['client_cpu_ms']:.2f}",
+                    f"{f['loop_turns']:.1f}",
+                ]
+            )
+    header = ["calls", "path", "wall ms", "server CPU ms", "client CPU ms", "loop turns"]
+    return markdown(header, rows), names
 
 
 @table("precomputed")
@@ -480,30 +491,45 @@ def plot(name: str) -> Callable[[Plot], Plot]:
     return register
 
 
-@plot("bench-goals")
-def bench_goals(results: Results, ax) -> None:
-    """Each goal of scripts/bench.py as measured / target: at or past 1 on the good side is met."""
-    names = sorted(n for n in results.files if n.startswith("bench_") and not n.startswith("bench_gpu"))
-    goals = [g for name in names for g in results[name]["result"]["goals"]]
-    if not goals:
-        raise MissingResult("no bench_*.json result with goals")
-    labels = [g["goal"] for g in goals]
-    scores = [g["measured"] / g["target"] if g["at_least"] else g["target"] / g["measured"] for g in goals]
-    colors = ["tab:green" if g["met"] else "tab:red" for g in goals]
-    ax.barh(range(len(goals)), scores, color=colors)
+@plot("transport-goals")
+def transport_goals_plot(results: Results, ax) -> None:
+    """Each transport goal as measured / target (past 1: met), with the run's ceiling where it has one."""
+    goals = results["bench_transport"]["result"]["goals"]
+    labels = [
+        g["goal"].removeprefix("transport ") + f" {'>=' if g['at_least'] else '<='} {g['target']:g}"
+        for g in goals
+    ]
+
+    def score(goal: dict, value: float) -> float:
+        return value / goal["target"] if goal["at_least"] else goal["target"] / value
+
+    ys = range(len(goals))
+    ax.barh(
+        ys,
+        [score(g, g["measured"]) for g in goals],
+        color=["tab:green" if g["met"] else "tab:red" for g in goals],
+    )
+    ceilings = [(y, score(g, g["ceiling"])) for y, g in zip(ys, goals) if "ceiling" in g]
+    ax.scatter(
+        [c for _, c in ceilings], [y for y, _ in ceilings], marker="|", s=120, color="black", label="ceiling"
+    )
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks(range(len(goals)), labels, fontsize=7)
+    ax.set_yticks(list(ys), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("measured / target (past 1: met; green met, red not)")
-    ax.set_title("scripts/bench.py goals")
-    ax.figure.set_size_inches(8, 0.22 * len(goals) + 1.2)
+    ax.set_xscale("log")
+    ax.set_xlabel("measured / target (log; past 1 is met: green met, red not)")
+    ax.set_title("data-plane goals of scripts/bench.py")
+    ax.legend(loc="lower right")
+    ax.figure.set_size_inches(10, 0.22 * len(goals) + 1.4)
 
 
 @plot("cache-hit-miss")
 def cache_hit_miss(results: Results, ax) -> None:
     r = results["bench_cache"]["result"]["section"]
+    images = range(1, len(r["miss_ms"]["runs"]) + 1)
     for key, label in (("miss_ms", "miss (decode, preprocess, forward)"), ("hit_ms", "hit (cache)")):
-        ax.plot(range(1, len(r[key]["runs"]) + 1), r[key]["runs"], marker="o", label=label)
+        ax.plot(images, r[key]["runs"], marker="o", label=label)
+    ax.set_xticks(list(images))
     ax.set_yscale("log")
     ax.set_xlabel("image (each encoded, then asked for again)")
     ax.set_ylabel("latency, ms (log)")
