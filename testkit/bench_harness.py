@@ -237,19 +237,15 @@ class MachineLoad:
         self._thread.start()
 
     def _ours_seconds(self) -> float:
-        """CPU seconds of this process tree so far: the live ones, those seen before, and the reaped."""
+        """CPU seconds of this process tree so far: each process's own time at the last sight of it (a reaped
+        child's time is not taken from its parent's total, which would count it twice)."""
         for pid in _process_tree(os.getpid()):
-            with_children = pid == os.getpid()
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            ticks = (
-                int(fields[11])
-                + int(fields[12])
-                + (int(fields[13]) + int(fields[14]) if with_children else 0)
-            )
-            self._ours[pid] = max(self._ours.get(pid, 0.0), ticks / os.sysconf("SC_CLK_TCK"))
+            seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            self._ours[pid] = max(self._ours.get(pid, 0.0), seconds)
         return sum(self._ours.values())
 
     def _others_cores(self, since_busy: int, since_ours: float, seconds: float) -> float:
