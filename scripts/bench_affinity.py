@@ -12,6 +12,8 @@ load ("affinity"), each scenario with its baseline in the same run:
   encoder is made slow (stopped 3/4 of the time with SIGSTOP/SIGCONT): its share of new work, before
   and after.
 - hot: one image in half the requests, the others new: throughput and forwards.
+- receivers: 1, 2 and 4 receivers (prefill nodes) splitting one Zipf workload over a fleet: forwards per
+  distinct image, random against affinity.
 
 Modes run interleaved in rounds (the order rotating), so the machine's noise falls on all alike; every
 phase of a fleet gets images of its own, so no phase sees another's caches. Compare modes as ratios.
@@ -31,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 from bench_affinity_scenarios.fleet_changes import membership, slow_encoder
 from bench_affinity_scenarios.modes import MODES, ModeResult, run_modes
+from bench_affinity_scenarios.receivers import receivers_sharing
 from bench_affinity_scenarios.workloads import (
     Images,
     hot_workload,
@@ -102,6 +105,8 @@ async def bench(args: argparse.Namespace) -> dict:
             print_json({"membership": out["membership"]}, file=sys.stderr)
             out["slow"] = await slow_encoder(fleets["affinity"], images_for, args)
             print_json({"slow": out["slow"]}, file=sys.stderr)
+            out["receivers"] = await receivers_sharing(fleets, images_for, args)
+            print_json({"receivers": out["receivers"]}, file=sys.stderr)
     return out
 
 
@@ -123,7 +128,12 @@ def main() -> None:
     p.add_argument("--hot-requests", type=int, default=400, help="requests of the hot-image workload")
     p.add_argument("--membership-requests", type=int, default=600, help="requests of each membership run")
     p.add_argument("--slow-requests", type=int, default=400, help="requests of each slow-encoder phase")
-    p.add_argument("--no-scenarios", dest="scenarios", action="store_false", help="skip membership and slow")
+    p.add_argument("--receivers-requests", type=int, default=600, help="requests of each receivers phase")
+    p.add_argument("--receiver-counts", type=lambda s: [int(n) for n in s.split(",")], default=[1, 2, 4],
+                   help="receivers sharing the fleet, comma-separated")  # fmt: skip
+    p.add_argument(
+        "--no-scenarios", dest="scenarios", action="store_false", help="skip membership, slow and receivers"
+    )
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (closed loop)")
     p.add_argument("--round", type=int, default=100, help="requests per mode in one round")
     p.add_argument("--balance", type=float, default=1.25, help="affinity's load bound, x the soonest finish")

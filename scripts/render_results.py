@@ -590,6 +590,22 @@ def affinity_forwards(results: Results, ax) -> None:
     ax.legend()
 
 
+@plot("affinity-receivers")
+def affinity_receivers(results: Results, ax) -> None:
+    runs = results["affinity"]["result"].get("receivers")
+    if not runs:
+        raise MissingResult("affinity.json has no receivers scenario")
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        points = [(r["receivers"], r["forwards_per_distinct_image"]) for r in runs if r["mode"] == mode]
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=mode)
+    ax.set_xticks(sorted({r["receivers"] for r in runs}))
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("receivers (prefill nodes) sharing the fleet")
+    ax.set_ylabel("forwards per distinct image")
+    ax.set_title("how often the fleet encodes each image as prefill nodes are added")
+    ax.legend()
+
+
 @plot("affinity-latency")
 def affinity_latency(results: Results, ax) -> None:
     runs = [
