@@ -385,9 +385,9 @@ def stalled_clients(results: Results) -> tuple[list[str], list[str]]:
                 f"{r['clients']:,} {shape} ({r['encoder']} encoder)",
                 f"{admitted} / {r['clients'] - admitted}",
                 f"{r['rss_growth_mib']:,} MiB",
-                f"{r['fresh_served']} served, {r['fresh_failed']} failed, slowest {r['fresh_slowest_s']:.2f} s",
-                f"{r['reader_served']} served, {r['reader_failed']} failed, slowest {r['reader_slowest_s']:.2f} s",
-                f"{r['health_probes'] - r['health_not_serving']} of {r['health_probes']} SERVING",
+                f"{r['fresh_served']} served, {len(r['fresh_failed'])} failed, slowest {r['fresh_slowest_s']:.2f} s",
+                f"{r['reader_served']} served, {len(r['reader_failed'])} failed, slowest {r['reader_slowest_s']:.2f} s",
+                f"{r['health_probes'] - len(r['health_not_serving'])} of {r['health_probes']} SERVING",
             ]
         )
     header = [
