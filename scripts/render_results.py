@@ -362,7 +362,7 @@ def encode_stage(results: Results) -> tuple[list[str], list[str]]:
                     f"{ours['total']:.1f} (forward {ours['forward']:.1f})",
                     f"{theirs['total']:.1f} (tower {theirs['tower']:.1f})",
                     ratio(f["ratio"]),
-                    f"{diff:.0e}" if isinstance(diff, float) else str(diff),
+                    ("0" if diff == 0 else f"{diff:.0e}") if isinstance(diff, float) else str(diff),
                 ]
             )
     header = ["our backend", "image", "ours ms", "vLLM ms", "ours / vLLM", "max diff"]
@@ -641,7 +641,14 @@ def gateway_load_plot(results: Results, ax) -> None:
     ax.set_xticks(list(xs), [GATEWAY_PATHS.get(n, n) for n in names])
     ax.set_ylabel("time to first token, ms")
     twin = ax.twinx()
-    twin.plot(list(xs), [paths[n]["request_throughput"] for n in names], "o-", color="C3", label="requests/s")
+    twin.plot(
+        list(xs),
+        [paths[n]["request_throughput"] for n in names],
+        "o",
+        color="C3",
+        markersize=9,
+        label="requests/s",
+    )
     twin.set_ylabel("requests/s")
     twin.set_ylim(bottom=0)
     ax.set_title("chat requests through the gateway against vLLM alone")
