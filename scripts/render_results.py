@@ -279,18 +279,15 @@ def affinity(results: Results) -> tuple[list[str], list[str]]:
                 f"{m['p99_ms']:.0f}",
             ]
         )
-    header = [
-        "workload",
-        "mode",
-        "forwards",
-        "per distinct image",
-        "fleet hit rate",
-        "no RPC",
-        "req/s",
-        "p50 ms",
-        "p99 ms",
-    ]
-    lines = markdown(header, rows)
+    header = ["workload", "mode", "forwards", "per distinct image", "fleet hit rate", "no RPC", "req/s"]
+    a = r["args"]
+    workloads = (
+        f"{a['encoders']} encoder processes per mode. Zipf: {a['requests']:,} requests of 1-4 images from "
+        f"{a['images']} PNGs, Zipf({a['zipf']}) popularity, {a['concurrency']} in flight; no repeats: "
+        f"{a['no_repeat_requests']:,} requests; light and 80%: {a['latency_requests']} requests each, one at a "
+        f"time and as a Poisson process; hot image: {a['hot_requests']} requests."
+    )
+    lines = [workloads, "", *markdown([*header, "p50 ms", "p99 ms"], rows)]
     if "membership" in r:
         m = r["membership"]
         lines += [
