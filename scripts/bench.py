@@ -3,10 +3,13 @@
 Sections: transport (the gRPC stream and same-host shared memory vs bare grpcio, pyzmq raw frames,
 memcpy and, when installed, Mooncake's TCP transfer engine), serving overhead (a server vs the same
 model in-process), batching (on vs off, 16 clients), scale-out (2 encoder processes vs 1), cache (hit
-vs miss), images/s by image size and tracing (on, every request sampled, vs off). Prints a table, writes JSON (--json). `--quick` is the short CI
-run; `--device cuda` runs the real-size Qwen2.5-VL tower (random weights) on a GPU.
+vs miss), images/s by image size and tracing (on, every request sampled, vs off). Prints a table, writes
+JSON (--json) and, with --record, one result file per section (benchmarks/results/bench_<section>.json, or
+bench_gpu_<section>.json on a GPU), from which the docs' tables and plots are drawn. `--quick` is the short
+CI run; `--device cuda` runs the real-size Qwen2.5-VL tower (random weights) on a GPU.
 
     python scripts/bench.py --json bench.json
+    python scripts/bench.py --sections serving,cache --record
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from bench_sections.transport_baselines import ROLES
 
 from encoder_common.malloc import tune_malloc
 from protos import wire
-from testkit.bench_harness import Stopwatch, write_json
+from testkit.bench_harness import MachineLoad, Stopwatch, add_record_flag, record_result, write_json
 
 RUNNERS = {  # section -> its run(ctx) -> the section's JSON dict, in the order they run
     "transport": transport.run,
@@ -96,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sections", type=lambda s: s.split(","), default=list(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")  # fmt: skip
     parser.add_argument("--workdir", type=Path, help="keep models and logs here (default: a temp dir)")
+    add_record_flag(parser)
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--payload-bytes", type=int, nargs="+", help=argparse.SUPPRESS)
     return parser
@@ -124,11 +128,36 @@ def main(argv: list[str] | None = None) -> None:
             stack.enter_context(tempfile.TemporaryDirectory(prefix="encoder-bench-"))
         )
         workdir.mkdir(parents=True, exist_ok=True)
+        load = MachineLoad()
         results = asyncio.run(run_benchmark(args, profile, workdir))
+        load = load.summary()
     print(table(results))
     if args.json:
         write_json(args.json, results)
         print(f"wrote {args.json}")
+    if args.record:
+        record_sections(args.record, results, load)
+
+
+def record_sections(directory: Path, results: dict, load: dict) -> None:
+    """One result file per section run: its figures, the run's profile, and the goals it decides."""
+    prefix = "bench_gpu" if results["profile"]["device"] == "cuda" else "bench"
+    for section in SECTIONS:
+        if section not in results:
+            continue
+        figures = {
+            "section": results[section],
+            "profile": results["profile"],
+            "quick": results["quick"],
+            "data_plane": {
+                "chunk_bytes": results["machine"]["chunk_bytes"],
+                "gpu": results["machine"]["gpu"],
+            },
+            "goals": [goal for goal in results["goals"] if goal["section"] == section],
+        }
+        print(
+            f"wrote {record_result(f'{prefix}_{section}', figures, directory, load=load, command=results['command'])}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import platform
 import sys
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,7 +43,7 @@ from bench_affinity_scenarios.workloads import (
     zipf_workload,
 )
 
-from testkit.bench_harness import print_json
+from testkit.bench_harness import MachineLoad, add_record_flag, print_json, record_result
 from testkit.default_model import ensure_default_model
 from testkit.launcher import launch_server, launch_servers
 from testkit.redis_server import running_redis
@@ -171,11 +168,15 @@ def main() -> None:
     p.add_argument(
         "--model-dir", default=None, help="where the built-in model goes (default: a temporary dir)"
     )
+    add_record_flag(p)
     args = p.parse_args()
+    load = MachineLoad()
     out = asyncio.run(bench(args))
     out["results"] = [asdict(r) for r in out["results"]]
-    machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    print_json({"machine": machine, "date": time.strftime("%Y-%m-%d"), "args": vars(args), **out}, indent=1)
+    figures = {"args": {k: v for k, v in vars(args).items() if k != "record"}, **out}
+    print_json(figures, indent=1)
+    if args.record:
+        print(f"wrote {record_result('affinity', figures, args.record, load=load)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

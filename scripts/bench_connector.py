@@ -28,7 +28,14 @@ sys.path.insert(0, str(REPO_ROOT))
 from encoder_common.vllm_inputs import GridEmbeds  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from receiver.vllm.item_files import create_item_file, map_item_file, new_item_path, sweep_dead  # noqa: E402
-from testkit.bench_harness import Stopwatch, median, write_json  # noqa: E402
+from testkit.bench_harness import (  # noqa: E402
+    MachineLoad,
+    Stopwatch,
+    add_record_flag,
+    median,
+    record_result,
+    write_json,
+)
 from testkit.fixed_server import fixed_server  # noqa: E402
 from testkit.images import image_bytes  # noqa: E402
 
@@ -103,7 +110,9 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    add_record_flag(parser)
     args = parser.parse_args()
+    load = MachineLoad()
     # A run holds its instance's lock file until it exits, as the connector does; the files of runs
     # that are over are swept here, as the connector sweeps its own at start.
     sweep_dead(ITEM_DIR, BENCH_PREFIX)
@@ -125,6 +134,8 @@ def main() -> int:
     )
     if args.json:
         write_json(args.json, figures)
+    if args.record:
+        print(f"wrote {record_result('connector_handoff', figures, args.record, load=load)}")
     return 0
 
 

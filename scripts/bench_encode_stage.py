@@ -44,7 +44,15 @@ if TYPE_CHECKING:  # torch is imported where it runs: --help and the worker's st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's tooling
 
 from encoder_common.families import BY_MODEL_TYPE, family_of
-from testkit.bench_harness import Stopwatch, median, stage_medians, write_json
+from testkit.bench_harness import (
+    MachineLoad,
+    Stopwatch,
+    add_record_flag,
+    median,
+    record_result,
+    stage_medians,
+    write_json,
+)
 from testkit.engine_files import CHAT_FORMATS
 from testkit.vllm_server import ENGINES_PYTHON, engines_env
 
@@ -332,6 +340,7 @@ def main() -> None:
     parser.add_argument("--images", nargs="+", default=list(IMAGE_SIZES), choices=list(IMAGE_SIZES))
     parser.add_argument("--engine-python", default=str(ENGINES_PYTHON), help="vLLM's venv's python")
     parser.add_argument("--json", help="also write the figures here")
+    add_record_flag(parser)
     parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)  # the worker's: chosen by engine_dtype
     args = parser.parse_args()
@@ -344,6 +353,7 @@ def main() -> None:
         # Our side's vLLM binds its torch threads to OMP_NUM_THREADS as the worker's does (and then ignores
         # torch.set_num_threads): set before torch is imported.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    load = MachineLoad()
     report = bench(args)
     print(
         f"worst ratio ours/vLLM: {report['worst_ratio']:.2f}x "
@@ -351,6 +361,9 @@ def main() -> None:
     )
     if args.json:
         write_json(Path(args.json), report)
+    if args.record:
+        name = "_".join(["encode_stage", args.backend, args.family or "default", args.device])
+        print(f"wrote {record_result(name, report, args.record, load=load)}")
 
 
 if __name__ == "__main__":  # vLLM spawns processes that import this module

@@ -24,7 +24,7 @@ from encoder_common.vllm_inputs import GridEmbeds, serialize_tensor
 from gateway.app import start
 from gateway.config import GatewayConfig
 from receiver import EncoderReceiver
-from testkit.bench_harness import Stopwatch, median_ms
+from testkit.bench_harness import MachineLoad, Stopwatch, add_record_flag, median_ms, record_result
 from testkit.chat import chat_request, image_part
 from testkit.default_model import write_default_model
 from testkit.images import image_bytes
@@ -49,6 +49,7 @@ def build_parser() -> EnvDefaultsParser:
     p.add_argument(
         "--serialize-hidden", type=int, default=3584, help="width of the serialization figure's item"
     )
+    add_record_flag(p)
     return p
 
 
@@ -74,7 +75,7 @@ def serialization(tokens: int, hidden: int, repeats: int = 5) -> tuple[int, floa
     return len(text), median_ms(encode), median_ms(decode)
 
 
-async def bench(args) -> None:
+async def bench(args) -> dict:
     model_dir = write_default_model(Path(tempfile.mkdtemp(prefix="bench-gateway-")) / "model")
     log_path = model_dir.parent / "vllm.log"
     with launch_vllm(model_dir, log_path=log_path) as vllm:
@@ -88,7 +89,7 @@ async def bench(args) -> None:
                 )
             finally:
                 await runner.cleanup()
-    print_figures(args, samples, tokens)
+    return print_figures(args, samples, tokens)
 
 
 async def measure(args, session, model: str, engine_url: str, gateway: str, encoder_url: str):
@@ -123,7 +124,7 @@ async def measure(args, session, model: str, engine_url: str, gateway: str, enco
     return samples, result.items[0].num_tokens
 
 
-def print_figures(args, samples: dict[str, list[float]], tokens: int) -> None:
+def print_figures(args, samples: dict[str, list[float]], tokens: int) -> dict:
     size, serialize_ms, load_ms = serialization(args.serialize_tokens, args.serialize_hidden)
     ms = {name: median_ms(values) for name, values in samples.items()}
     base = ms["direct"]
@@ -141,10 +142,23 @@ def print_figures(args, samples: dict[str, list[float]], tokens: int) -> None:
         f"{size} bytes of base64(torch.save) ({size / raw:.2f}x), {serialize_ms:.1f} ms to serialize, "
         f"{load_ms:.1f} ms for vLLM to load"
     )
+    return {
+        "image": f"{args.size}x{args.size}",
+        "tokens": tokens,
+        "repeats": args.repeats,
+        "median_ms": ms,
+        "samples_s": samples,
+        "serialization": {"tokens": args.serialize_tokens, "hidden": args.serialize_hidden, "tensor_bytes": raw,
+                          "base64_bytes": size, "serialize_ms": serialize_ms, "load_ms": load_ms},
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(bench(build_parser().parse_args(argv)))
+    args = build_parser().parse_args(argv)
+    load = MachineLoad()
+    figures = asyncio.run(bench(args))
+    if args.record:
+        print(f"wrote {record_result('gateway_latency', figures, args.record, load=load)}")
 
 
 if __name__ == "__main__":

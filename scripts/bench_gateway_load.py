@@ -25,7 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from gateway.app import start
 from gateway.config import GatewayConfig
 from testkit import REPO_ROOT
-from testkit.bench_harness import markdown_table, median, write_json
+from testkit.bench_harness import (
+    MachineLoad,
+    add_record_flag,
+    markdown_table,
+    median,
+    record_result,
+    write_json,
+)
 from testkit.default_model import write_default_model
 from testkit.launcher import launch_server
 from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, engines_env, launch_vllm
@@ -46,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=8, help="tokens generated per request (greedy, ignore_eos)")
     p.add_argument("--input-len", type=int, default=32, help="random text tokens per request besides the images")
     p.add_argument("--out", type=Path, help="folder for vllm bench's result files and the summary (default: temp)")
+    add_record_flag(p)
     return p
 
 
@@ -135,6 +143,7 @@ def print_summary(summary: dict[str, dict], args) -> None:
 
 
 async def bench(args) -> int:
+    load = MachineLoad()
     work = args.out or Path(tempfile.mkdtemp(prefix="bench-gateway-load-"))
     result_dir = work / "results"
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -173,6 +182,9 @@ async def bench(args) -> int:
         return 1
     summary = summarize(args.rounds, result_dir)
     write_json(work / "summary.json", summary)
+    if args.record:
+        figures = {"args": {k: v for k, v in vars(args).items() if k not in ("record", "out")}, "paths": summary}
+        print(f"wrote {record_result('gateway_load', figures, args.record, load=load)}")
     print_summary(summary, args)
     print(f"\nresult files: {result_dir}")
     clean = all(

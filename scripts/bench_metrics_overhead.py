@@ -7,6 +7,7 @@ prints their times and ratio: `python scripts/bench_metrics_overhead.py`.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -18,12 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 from encoder_server.metrics import ServerMetrics
 from protos import encoder_pb2 as pb
 from protos import wire
-from testkit.bench_harness import Stopwatch
+from testkit.bench_harness import Stopwatch, add_record_flag, record_result
 
 ROUNDS = 200
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_record_flag(parser)
+    args = parser.parse_args()
     embedding = torch.randn(1024, 3584).to(torch.bfloat16)
     payload = wire.tensor_bytes(embedding)
     header = pb.EncodeResponse(
@@ -55,6 +59,10 @@ def main() -> None:
     print(f"framing (wire.chunk_messages): {framing_s * 1e6:.0f} us per item")
     print(f"accounting (RequestRecord):    {accounting_s * 1e6:.0f} us per call")
     print(f"accounting / framing: {accounting_s / framing_s:.4f}")
+    if args.record:
+        figures = {"rounds": ROUNDS, "payload_bytes": len(payload), "framing_us": framing_s * 1e6,
+                   "accounting_us": accounting_s * 1e6, "ratio": accounting_s / framing_s}  # fmt: skip
+        print(f"wrote {record_result('metrics_overhead', figures, args.record)}")
 
 
 if __name__ == "__main__":

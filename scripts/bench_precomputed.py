@@ -15,13 +15,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 from protos.wire import DTYPE_NAMES
 from receiver import EncoderReceiver, batch_embedding, window_rows
-from testkit.bench_harness import Stopwatch, median_ms, repeat_async
+from testkit.bench_harness import (
+    MachineLoad,
+    Stopwatch,
+    add_record_flag,
+    median_ms,
+    record_result,
+    repeat_async,
+)
 from testkit.default_model import ensure_default_model
 from testkit.images import image_bytes
 from testkit.servers import running_server
 
 
-async def bench(args: argparse.Namespace) -> None:
+async def bench(args: argparse.Namespace) -> dict:
     model_dir = ensure_default_model(args.model_dir or tempfile.mkdtemp(prefix="bench-model-"))
     images = [image_bytes(args.size, args.size, seed=i) for i in range(args.items)]
     async with running_server(model_dir, dtype=DTYPE_NAMES[args.dtype]) as server:
@@ -57,7 +64,8 @@ async def bench(args: argparse.Namespace) -> None:
     watch = Stopwatch()
     for step in range(10000):
         window_rows(embedding, step % tokens, 256, offsets)
-    print(f"window_rows, {args.items} items: {watch.seconds() / 10000 * 1e6:.1f} us per window")
+    window_us = watch.seconds() / 10000 * 1e6
+    print(f"window_rows, {args.items} items: {window_us:.1f} us per window")
 
     results = [reference] * 3
     nbytes = 3 * embedding.numel() * embedding.element_size()
@@ -71,6 +79,16 @@ async def bench(args: argparse.Namespace) -> None:
         f"batch_embedding of 3 requests ({nbytes / 2**20:.0f} MiB) to cpu: {copy_ms:.2f} ms, "
         f"{copy_ms / cat_ms:.2f}x of one torch.cat of the same rows"
     )
+    return {
+        "items": args.items,
+        "image": f"{args.size}x{args.size}",
+        "tokens": tokens,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "request_ms": figures,
+        "window_rows_us": window_us,
+        "batch_embedding": {"mib": nbytes / 2**20, "ms": copy_ms, "torch_cat_ms": cat_ms},
+    }
 
 
 def main() -> None:
@@ -80,7 +98,12 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model-dir", help="where the default model is (written there if missing)")
-    asyncio.run(bench(p.parse_args()))
+    add_record_flag(p)
+    args = p.parse_args()
+    load = MachineLoad()
+    figures = asyncio.run(bench(args))
+    if args.record:
+        print(f"wrote {record_result('precomputed', figures, args.record, load=load)}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from PIL import Image  # noqa: E402
 from encoder_common.errors import EncoderError  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
 from protos import wire  # noqa: E402
-from testkit.bench_harness import Stopwatch, print_json  # noqa: E402
+from testkit.bench_harness import MachineLoad, Stopwatch, add_record_flag, print_json, record_result  # noqa: E402
 
 MAX_ITEMS = 64
 MAX_REQUEST_BYTES = 64 << 20
@@ -303,14 +303,19 @@ def main() -> None:
     p.add_argument("--deadline-ms", type=int, default=2000, help="one input taking longer is a finding (a hang)")
     p.add_argument("--memory-limit-gib", type=float, default=4.0)
     p.add_argument("--seed", type=int, default=0)
+    add_record_flag(p)
     args = p.parse_args()
+    load = MachineLoad()
     unknown = set(args.targets) - set(TARGETS)
     if unknown:
         p.error(f"unknown targets {sorted(unknown)}; known: {', '.join(TARGETS)}")
     limit = int(args.memory_limit_gib * (1 << 30))
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     results = {name: run_target(name, args.examples, args.deadline_ms, args.seed) for name in args.targets}
-    print_json({"examples": args.examples, "seed": args.seed, "targets": results})
+    report = {"examples": args.examples, "seed": args.seed, "deadline_ms": args.deadline_ms, "targets": results}
+    print_json(report)
+    if args.record:
+        print(f"wrote {record_result('fuzz', report, args.record, load=load)}")
     sys.exit(1 if any(r["findings"] for r in results.values()) else 0)
 
 

@@ -35,7 +35,14 @@ from encoder_common.mooncake_engine import unavailable  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from testkit.bare_grpc import receive_payload  # noqa: E402
-from testkit.bench_harness import Stopwatch, median, process_cpu_seconds  # noqa: E402
+from testkit.bench_harness import (  # noqa: E402
+    MachineLoad,
+    Stopwatch,
+    add_record_flag,
+    median,
+    process_cpu_seconds,
+    record_result,
+)
 from testkit.launcher import start_process  # noqa: E402
 
 ENCODE = "/encoder.v1.EncoderService/Encode"
@@ -94,7 +101,7 @@ async def measure(call: Callable[[], Awaitable[None]], server_pid: int, calls: i
     )
 
 
-async def profile(args, ours, bare, small_first=None) -> None:
+async def profile(args, ours, bare, small_first=None) -> dict:
     nbytes = args.tokens * TRANSPORT_HIDDEN * 2
     image = request_jpeg(seed=0) if args.tokens >= 100 else request_jpeg(seed=1, side=224)
     request = pb.EncodeRequest(request_id="bare", items=[pb.ImageItem(index=0, modality=pb.IMAGE, data=image)])
@@ -129,9 +136,13 @@ async def profile(args, ours, bare, small_first=None) -> None:
           f"{args.in_flight} call(s) in flight; medians of {args.rounds} rounds of {args.calls} calls")  # fmt: skip
     header = f"{'':26} {'wall ms':>8} {'server CPU ms':>14} {'client CPU ms':>14} {'loop turns':>11}"
     print(header)
+    rows_out = {}
     for name, values in runs.items():
         med = [median(v[i] for v in values) for i in range(4)]
         print(f"{name:26} {med[0]:8.2f} {med[1]:14.2f} {med[2]:14.2f} {med[3]:11.1f}")
+        rows_out[name] = dict(zip(("wall_ms", "server_cpu_ms", "client_cpu_ms", "loop_turns"), med))
+    return {"tokens": args.tokens, "payload_bytes": nbytes, "request_bytes": len(raw), "in_flight": args.in_flight,
+            "calls": args.calls, "rounds": args.rounds, "rows": rows_out}  # fmt: skip
 
 
 def main() -> None:
@@ -141,7 +152,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=60, help="calls per measurement")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--small-first", action="store_true", help="add a server that starts every item with small chunks")
+    add_record_flag(parser)
     args = parser.parse_args()
+    load = MachineLoad()
     tune_malloc()  # as bench.py: the receiver's process set up as docs/prefill-side.md recommends
     nbytes = args.tokens * TRANSPORT_HIDDEN * 2
     with tempfile.TemporaryDirectory(prefix="profile-dataplane-") as logs:
@@ -159,12 +172,15 @@ def main() -> None:
             code = "import runpy, sys; import encoder_server.streams as s; s.MAX_READERS = 0; sys.argv[0] = 'fixed_server'; runpy.run_module('testkit.fixed_server', run_name='__main__')"
             small_first = start_process([sys.executable, "-c", code, str(args.tokens), str(TRANSPORT_HIDDEN)], Path(logs) / "small.log")
         try:
-            asyncio.run(profile(args, ours, bare, small_first))
+            figures = asyncio.run(profile(args, ours, bare, small_first))
         finally:
             ours.stop(grace_s=10)
             bare.stop()
             if small_first is not None:
                 small_first.stop(grace_s=10)
+    if args.record:
+        name = f"profile_dataplane_{args.tokens}_tokens_{args.in_flight}_in_flight"
+        print(f"wrote {record_result(name, figures, args.record, load=load)}")
 
 
 if __name__ == "__main__":

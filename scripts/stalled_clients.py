@@ -47,7 +47,7 @@ from PIL import Image  # noqa: E402
 from protos import encoder_pb2 as pb  # noqa: E402
 from receiver import EncoderReceiver  # noqa: E402
 from testkit.bare_grpc import NEVER_READS, OWN_CONNECTION  # noqa: E402
-from testkit.bench_harness import Stopwatch, print_json  # noqa: E402
+from testkit.bench_harness import MachineLoad, Stopwatch, add_record_flag, print_json, record_result  # noqa: E402
 from testkit.launcher import LaunchedProcess, launch_server, start_process  # noqa: E402
 
 # 56 x 32 merged patches of 28 pixels: 1792 tokens, x 2048 bf16 = 7 MiB.
@@ -301,10 +301,12 @@ def main() -> None:
     p.add_argument("--max-growth-gib", type=float, default=2.0)
     p.add_argument("--encoder", choices=("tower", "made-up"), default="tower")
     p.add_argument("--model", type=Path, help="checkpoint directory (default: the built-in model, written afresh)")
+    add_record_flag(p)
     p.add_argument(
         "server_flags", nargs="*", help="server flags after --, e.g. -- --stream-buffer-bytes 67108864"
     )
     args = p.parse_args()
+    load = MachineLoad()
     if not 1 <= args.clients <= 5000:
         p.error("--clients must be between 1 and 5000")
     with tempfile.TemporaryDirectory(prefix="stalled-clients-") as workdir:
@@ -319,6 +321,10 @@ def main() -> None:
             summary = asyncio.run(run(args, server.port, server.process.pid))
         summary.update(encoder=args.encoder, server_flags=args.server_flags)
     print_json(summary)
+    if args.record:
+        name = f"stalled_clients_{args.encoder}_{args.shape}".replace("-", "_")
+        figures = {"args": vars(args) | {"record": None}, **summary}
+        print(f"wrote {record_result(name, figures, args.record, load=load)}")
     ok = not summary["reader_failed"] and summary["reader_served"] > 0 and not summary["health_not_serving"]
     ok = ok and not summary["fresh_failed"] and summary["fresh_served"] > 0
     sys.exit(0 if ok and summary["rss_growth_mib"] <= args.max_growth_gib * 1024 else 1)

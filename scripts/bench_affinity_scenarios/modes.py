@@ -37,10 +37,10 @@ class ModeResult:
 class ModeRun:
     """One mode's receivers (one per fleet it takes turns on) and what its requests measured so far."""
 
-    def __init__(self, mode: str, fleets: list[list[str]], balance: float, **options):
+    def __init__(self, mode: str, fleets: list[list[str]], balance: float, seed: int = 0, **options):
         self.mode = mode
         self.receivers = [
-            EncoderReceiver(urls, seed=0, balance=balance, **{**MODES[mode], **options}) for urls in fleets
+            EncoderReceiver(urls, seed=seed, balance=balance, **{**MODES[mode], **options}) for urls in fleets
         ]
         self.rx = self.receivers[0]
         self.latencies: list[float] = []

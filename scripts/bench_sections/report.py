@@ -76,7 +76,8 @@ def goals(results: dict) -> list[dict]:
         if value is None:
             continue
         met = value >= target if at_least else value <= target
-        goal = {"goal": name, "target": target, "at_least": at_least, "measured": value, "met": met}
+        goal = {"goal": name, "section": section, "target": target, "at_least": at_least, "measured": value}
+        goal["met"] = met
         if ceiling_path is not None:
             goal["ceiling"] = _lookup(results, section, ceiling_path)
             goal["reachable"] = goal["ceiling"] >= target

@@ -1,16 +1,23 @@
 """testkit/bench_harness.py, the timing and reporting every benchmark script shares: stages timed one
 after another, warm-up runs left out, ratios paired within a round, nearest-rank percentiles, rounds
-in a changing order, and the tables and JSON the scripts print and write."""
+in a changing order, the tables and JSON the scripts print and write, and the result files the docs are
+drawn from."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 
+import pytest
+
 from testkit.bench_harness import (
+    MachineLoad,
     Stopwatch,
+    add_record_flag,
     aligned_table,
     interleaved,
     markdown_table,
@@ -18,6 +25,7 @@ from testkit.bench_harness import (
     paired_ratio,
     percentile,
     process_cpu_seconds,
+    record_result,
     repeat_async,
     stage_medians,
     write_json,
@@ -101,3 +109,60 @@ def test_cpu_seconds_of_a_process_grow_while_it_computes():
     while watch.seconds() < 0.2:
         sum(range(10_000))
     assert process_cpu_seconds(os.getpid()) > before
+
+
+def test_a_result_file_holds_the_figures_with_machine_load_date_commit_and_command(tmp_path):
+    load = MachineLoad(interval_s=0.05)
+    time.sleep(0.2)
+    path = record_result(
+        "probe", {"ratio": 1.5, "where": tmp_path}, tmp_path, load=load, command="python x.py"
+    )
+    document = json.loads(path.read_text())
+    assert path == tmp_path / "probe.json" and document["benchmark"] == "probe"
+    assert document["result"] == {"ratio": 1.5, "where": str(tmp_path)}  # paths written as text
+    assert document["command"] == "python x.py" and len(document["commit"]) == 40
+    assert document["date"] == document["started_utc"][:10] and isinstance(document["checkout_changed"], bool)
+    assert document["machine"]["cores"] == os.cpu_count() and document["machine"]["memory_gib"] > 0
+    assert document["machine"]["packages"]["torch"]
+    assert set(document["load"]) == {"load_average_before", "load_average_after", "others_cores_mean",
+                                     "others_cores_max", "seconds"}  # fmt: skip
+    assert 0 <= document["load"]["others_cores_mean"] <= os.cpu_count() + 0.5
+
+
+def test_cpu_this_process_and_its_children_spend_is_not_counted_as_other_work():
+    """A busy child's CPU shows in the machine's busy time but not in `others_cores_mean`: over the window,
+    the other processes' cores are at most the machine's busy cores less the child's."""
+    from testkit.bench_harness import _cpu_ticks_busy
+
+    busy_loop = "import time\nend = time.time() + 2\nwhile time.time() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", busy_loop])
+    try:
+        time.sleep(0.2)
+        busy_before, child_before = _cpu_ticks_busy()[0], process_cpu_seconds(child.pid)
+        load = MachineLoad(interval_s=0.25)
+        time.sleep(1.0)
+        child_s = process_cpu_seconds(child.pid) - child_before
+        summary = load.summary()
+        machine_s = (_cpu_ticks_busy()[0] - busy_before) / os.sysconf("SC_CLK_TCK")
+    finally:
+        child.wait()
+    if child_s < 0.3:
+        pytest.skip(f"the child got {child_s:.2f} CPU seconds of 1: the machine is too busy to tell")
+    seconds = summary["seconds"]
+    assert summary["others_cores_mean"] <= (machine_s - child_s) / seconds + 0.1, (
+        summary,
+        machine_s,
+        child_s,
+    )
+
+
+def test_record_flag_defaults_to_the_results_folder(tmp_path):
+    import argparse
+
+    from testkit.bench_harness import RESULTS_DIR
+
+    parser = argparse.ArgumentParser()
+    add_record_flag(parser)
+    assert parser.parse_args([]).record is None
+    assert parser.parse_args(["--record"]).record == RESULTS_DIR
+    assert parser.parse_args(["--record", str(tmp_path)]).record == tmp_path

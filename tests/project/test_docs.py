@@ -111,3 +111,16 @@ def test_docs_say_what_is_true_not_how_the_work_went(page):
     history = ["before this change", "earlier today", "earlier runs", "this session", "not run here",
                "no gpu was lent", "no gpu in this task", "merge note", "not done here"]
     assert not [phrase for phrase in history if phrase in text]
+
+
+def test_the_docs_anchors_named_in_the_code_exist():
+    """A comment or message pointing at `docs/<page>.md#<heading>` points at a heading that is there."""
+    named = re.compile(r"docs/([\w-]+\.md)#([\w-]+)")
+    broken = [
+        f"{path.relative_to(REPO_ROOT)}: docs/{page}#{anchor}"
+        for path in tracked_text_files()
+        if path.suffix in {".py", ".sh", ".yaml", ".toml", ".proto"}
+        for page, anchor in named.findall(path.read_text(errors="replace"))
+        if not (REPO_ROOT / "docs" / page).exists() or anchor not in anchors(REPO_ROOT / "docs" / page)
+    ]
+    assert not broken, broken
