@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from protos import wire
-from receiver.embeddings.buffers import POOL
+from receiver.buffers import POOL
 
 # A channel on a TCP connection of its own, as a separate client has: gRPC otherwise shares one
 # connection among the channels to the same address with the same options.

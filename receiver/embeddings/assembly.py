@@ -14,8 +14,8 @@ from encoder_common.errors import EncoderError
 from protos import encoder_pb2 as pb
 from protos import wire
 
+from ..buffers import POOL
 from ..transports import PayloadReader, Placement
-from .buffers import POOL
 from .result import ItemResult
 
 # Makes the uninitialized tensor an item's payload is received into, from its shape and dtype.

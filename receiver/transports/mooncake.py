@@ -28,7 +28,7 @@ from encoder_common.mooncake_engine import Engine, EngineError, address_towards
 from protos import encoder_pb2 as pb
 from protos.mooncake import TOKEN_BYTES, placement_mac
 
-from ..embeddings.buffers import huge_page_memory, huge_pages
+from ..buffers import huge_page_memory, huge_pages
 from ..urls import grpc_target
 from . import Placement, TransferStats
 

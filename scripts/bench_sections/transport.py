@@ -182,7 +182,7 @@ class TransportRun:
         return n * nbytes / await in_flight(calls, width) / 1e9
 
     def zmq_pull(self, nbytes: int, n: int) -> float:
-        from receiver.embeddings.buffers import POOL
+        from receiver.buffers import POOL
 
         watch = Stopwatch()
         self.control.send(f"{nbytes} {n}".encode())

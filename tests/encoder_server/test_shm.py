@@ -26,7 +26,7 @@ from protos import encoder_pb2 as pb
 from protos import wire
 from protos.shm import SERVER_KIND, item_proof, new_instance, random_name, segment_header
 from receiver import EncoderReceiver, ShardError, SharedMemoryUnavailableError
-from receiver.embeddings.buffers import BufferPool
+from receiver.buffers import BufferPool
 from receiver.fleet.channels import EncoderEndpoint
 from receiver.transports import Placement
 from receiver.transports.shm import ShmReceiver
@@ -349,7 +349,7 @@ RECEIVER_SCRIPT = """
 import asyncio, io, sys
 from PIL import Image
 from protos import encoder_pb2 as pb
-from receiver.embeddings.buffers import BufferPool
+from receiver.buffers import BufferPool
 from receiver.fleet.channels import EncoderEndpoint
 from receiver.transports.shm import ShmReceiver
 

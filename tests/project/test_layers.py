@@ -30,7 +30,7 @@ RECEIVER_LAYERS = (
     ("receiver.fleet",),
     ("receiver.embeddings", "receiver.config"),
     ("receiver.transports",),
-    ("receiver.errors", "receiver.metrics", "receiver.urls"),
+    ("receiver.errors", "receiver.metrics", "receiver.urls", "receiver.buffers"),
 )
 
 
