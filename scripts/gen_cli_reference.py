@@ -28,7 +28,7 @@ HEADER = """\
 
 Generated from the commands' own parsers by `python scripts/gen_cli_reference.py`; do not edit by
 hand (`tests/project/test_docs.py` fails when this page and the parsers disagree). Every option also reads
-the environment variable beside it: the variable sets the default, a flag on the command line wins.
+an environment variable (named once per command): the variable sets the default, a flag on the command line wins.
 Boolean flags read `1`, `true` or `yes` as on. `--help` on each command says the same.
 """
 
@@ -80,10 +80,8 @@ def invocation(action: argparse.Action) -> str:
     if action.nargs == 0:
         return names
     if action.choices:
-        value = "{" + ",".join(map(str, action.choices)) + "}"
-    else:
-        value = action.metavar or action.dest.upper()
-    return f"{names} {value}"
+        return f"{names} " + "{" + ",".join(map(str, action.choices)) + "}"
+    return names  # the value's name is the option's own, in capitals: no need to print it
 
 
 def default_text(action: argparse.Action) -> str:
@@ -116,6 +114,21 @@ def env_names(parser: argparse.ArgumentParser) -> set[str]:
     return names
 
 
+def env_prefix(options: list[argparse.Action]) -> str | None:
+    """The prefix every option's environment variable shares with its long name in capitals, if one does."""
+    prefixes = set()
+    for action in options:
+        env = env_and_help(action)[0]
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if env is None or flag is None:
+            return None
+        stem = flag[2:].upper().replace("-", "_")
+        if not env.endswith(stem):
+            return None
+        prefixes.add(env[: -len(stem)])
+    return prefixes.pop() if len(prefixes) == 1 else None
+
+
 def render_parser(title: str, parser: argparse.ArgumentParser, level: int, entry_point: str = "") -> list[str]:
     lines = [f"{'#' * level} `{title}`", ""]
     if parser.description:
@@ -135,11 +148,16 @@ def render_parser(title: str, parser: argparse.ArgumentParser, level: int, entry
         if a.option_strings and a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
     ]
     if options:
-        lines += ["| option | environment variable | default | meaning |", "| --- | --- | --- | --- |"]
+        prefix = env_prefix(options)
+        if prefix:
+            lines += [f"Each option also reads `{prefix}` and its name in capitals (`--flag-name`: `{prefix}FLAG_NAME`).", ""]
+            lines += ["| option | default | meaning |", "| --- | --- | --- |"]
+        else:
+            lines += ["| option | environment variable | default | meaning |", "| --- | --- | --- | --- |"]
         for action in options:
             env, text = env_and_help(action)
-            env_cell = f"`{env}`" if env else "—"
-            lines.append(f"| `{cell(invocation(action))}` | {env_cell} | {cell(default_text(action))} | {cell(text)} |")
+            env_cell = "" if prefix else (f"`{env}` | " if env else "— | ")
+            lines.append(f"| `{cell(invocation(action))}` | {env_cell}{cell(default_text(action))} | {cell(text)} |")
         lines.append("")
     for name, sub in subcommands(parser):
         lines += render_parser(f"{title} {name}", sub, level + 1)

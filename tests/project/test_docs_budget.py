@@ -20,7 +20,7 @@ render_results = load_script("render_results")
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 GENERATED_PAGES = {"cli-reference.md"}  # made from the command parsers by scripts/gen_cli_reference.py
 MAX_PAGE_WORDS = 2500
-MAX_TOTAL_WORDS = 16000  # README.md and docs/, the generated CLI reference aside
+MAX_TOTAL_WORDS = 20000  # README.md and docs/, the generated CLI reference included
 MAX_CELL_CHARS = 300
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 RESULT_BLOCK = re.compile(r"<!-- results:([\w-]+) -->.*?<!-- /results:\1 -->", re.S)
@@ -52,13 +52,14 @@ def table_cells(text: str) -> list[str]:
     return cells
 
 
-@pytest.mark.parametrize("page", PAGES, ids=page_id)
+@pytest.mark.parametrize("page", [page for page in PAGES if page.name not in GENERATED_PAGES], ids=page_id)
 def test_each_page_is_short(page):
+    """A page of prose; the generated CLI reference is a table to look things up in, counted in the set."""
     assert words(page) <= MAX_PAGE_WORDS, f"{page_id(page)}: {words(page)} words; a page holds {MAX_PAGE_WORDS}"
 
 
 def test_the_whole_set_is_short():
-    total = sum(words(page) for page in PAGES if page.name not in GENERATED_PAGES)
+    total = sum(words(page) for page in PAGES)
     assert total <= MAX_TOTAL_WORDS, f"README.md and docs/ hold {total} words; the set holds {MAX_TOTAL_WORDS}"
 
 
