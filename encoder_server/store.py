@@ -1,13 +1,6 @@
 """The fleet-wide embedding store: a second tier behind each encoder's embedding cache, in Redis and shared
-by every encoder of a fleet, so an image encoded by one encoder is a lookup for the others and for an
-encoder that restarts (docs/fleet-store.md).
-
-An entry is kept under the encoder cache's own key (the image's sha256 under the model's namespace:
-weights, preprocessing, dtype, backend) and carries that key, its header, its payload's size and a
-digest of all of them; an entry that fails any check on read is deleted and never served. The store is
-never on the answer's critical path for more than `timeout_ms`: a store that is down or slow costs a
-forward, and after BREAKER_FAILURES failures in a row it is left alone for BREAKER_COOLDOWN_S.
-"""
+by every encoder of a fleet, entries checked on read, never on the answer's critical path for more than its
+timeout (docs/fleet-store.md)."""
 
 from __future__ import annotations
 
@@ -189,6 +182,12 @@ class EmbeddingStore:
 
     `get` answers a payload or None (not there, corrupt, or the store failed or took too long: all a
     miss to the caller); `put_soon` writes in the background. Neither ever raises.
+
+    An entry is kept under the encoder cache's own key (the image's sha256 under the model's namespace:
+    weights, preprocessing, dtype, backend) and carries that key, its header, its payload's size and a
+    digest of all of them; an entry that fails any check on read is deleted and never served. The store is
+    never on the answer's critical path for more than `timeout_ms`: a store that is down or slow costs a
+    forward, and after BREAKER_FAILURES failures in a row it is left alone for BREAKER_COOLDOWN_S.
     """
 
     def __init__(self, config: StoreConfig):

@@ -1,17 +1,6 @@
 """The vLLM tower backend (`encoder-server --backend vllm`): vLLM's own multimodal processor and its model's
-`embed_multimodal`, on a model vLLM loads encoder-only (`mm_encoder_only`: the language model is neither
-built nor kept), for any image family the installed vLLM serves.
-
-vLLM runs inside the server process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): its engine is created as an
-encoder instance's is, then only its renderer (the checkpoint's processor, through vLLM's prompt updates,
-which also count each image's embedding rows) and its model are called, by the server's preprocessing
-threads and its batcher. A batch is grouped and stacked by vLLM's own `group_and_batch_mm_kwargs`, as vLLM's
-model runner batches an encoder step, so each item's rows are what that vLLM's encoder computes for it.
-
-The image reaching `preprocess` was loaded by the preprocessing profile's loader: under the default `vllm`
-profile, vLLM's loader (tests/engines/test_parity.py checks it against `ImageMediaIO.load_bytes`). vLLM's processor
-decides everything after that, whatever the profile names as its processor backend.
-"""
+`embed_multimodal`, on a model vLLM loads encoder-only, in this process, for any image family the installed
+vLLM serves."""
 
 from __future__ import annotations
 
@@ -77,7 +66,18 @@ class VllmPreparedImage(PreparedImage):
 
 
 class VllmVisionEncoder(VisionEncoder):
-    """A checkpoint's vision encoder as vLLM loads and runs it; see the module docstring."""
+    """A checkpoint's vision encoder as vLLM loads and runs it.
+
+    vLLM runs inside the server process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): its engine is created as an
+    encoder instance's is, then only its renderer (the checkpoint's processor, through vLLM's prompt updates,
+    which also count each image's embedding rows) and its model are called, by the server's preprocessing
+    threads and its batcher. A batch is grouped and stacked by vLLM's own `group_and_batch_mm_kwargs`, as vLLM's
+    model runner batches an encoder step, so each item's rows are what that vLLM's encoder computes for it.
+
+    The image reaching `preprocess` was loaded by the preprocessing profile's loader: under the default `vllm`
+    profile, vLLM's loader (tests/engines/test_parity.py checks it against `ImageMediaIO.load_bytes`). vLLM's processor
+    decides everything after that, whatever the profile names as its processor backend.
+    """
 
     def __init__(self, model_dir: str | Path, device: str | torch.device | None, dtype: torch.dtype):
         version = check_vllm()

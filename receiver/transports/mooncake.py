@@ -1,13 +1,6 @@
-"""The Mooncake transfer engine, the across-hosts transport, receiver side: a pool of receive slots
-registered with this receiver's engine once, a grant of free slots and a fresh token in each call's
-offer, and the item's tensor as a view of the slot its encoder wrote, once the header's MAC checks out.
-
-A slot goes back to the pool when the tensor over it (and every view of it) is freed. A granted slot
-that no header named is free again when its call ended cleanly (the encoder writes a slot only before
-the header naming it). When a call ended any other way (cancelled, failed, cut by its deadline, its
-encoder dead) or a write into a slot failed, the encoder may still be writing: those slots stay out of
-use for `late_write_s` first. Closing the receiver stops its engine before the slots' memory can go.
-"""
+"""The Mooncake transfer engine, the across-hosts transport, receiver side: receive slots registered with
+this receiver's engine once, a grant of free slots and a fresh token in each call's offer, and each item's
+tensor a view of the slot its encoder wrote, once the header's MAC checks out."""
 
 from __future__ import annotations
 
@@ -48,7 +41,14 @@ _DECLINED = {
 
 
 class SlotPool:
-    """The registered receive memory, cut into equal slots; thread-safe (tensors are freed anywhere)."""
+    """The registered receive memory, cut into equal slots; thread-safe (tensors are freed anywhere).
+
+    A slot goes back to the pool when the tensor over it (and every view of it) is freed. A granted slot
+    that no header named is free again when its call ended cleanly (the encoder writes a slot only before
+    the header naming it). When a call ended any other way (cancelled, failed, cut by its deadline, its
+    encoder dead) or a write into a slot failed, the encoder may still be writing: those slots stay out of
+    use for `late_write_s` first. Closing the receiver stops its engine before the slots' memory can go.
+    """
 
     def __init__(self, engine: Engine, slots: int, slot_bytes: int, late_write_s: float):
         self.engine = engine

@@ -1,26 +1,6 @@
 """`EncoderServiceConnector`: a vLLM encoder-cache connector for `ec_consumer` instances that pulls each
-image's embedding from the encoder pods by its lease key; for the vLLM releases of `encoder_common.vllm_releases`.
-
-vLLM loads it out of tree: `--ec-transfer-config '{"ec_connector": "EncoderServiceConnector",
-"ec_connector_module_path": "receiver.vllm.connector", "ec_role": "ec_consumer",
-"ec_connector_extra_config": {"encoders": ["grpc://enc-0:50051"]}}'`. A request names each item by a
-metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fleet.fetch.item_uuid`),
-optionally with `ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it. For
-families whose placeholders vLLM sizes from the image (LLaVA-NeXT/OneVision, InternVL, Gemma 3, ...) the
-part is the raw image with that `uuid`: vLLM's processor sizes the placeholders, and the embedding is still
-fetched, so vLLM's own tower does not run.
-
-The module imports on any vLLM; when vLLM creates the connector, `receiver.vllm.contract` refuses a
-release outside the declared range or one lacking a method, signature or type the connector relies on,
-naming the version and what is missing.
-
-The scheduler-side instance fetches (it is asked about every waiting request each step, while the
-worker is not called at all in a step that schedules nothing); it receives each embedding through the
-receiver's Fetch path into a file under /dev/shm. The worker-side instance maps that file and puts
-the mapped tensor itself into vLLM's encoder cache. A request is deferred until all its items are in,
-and failed alone (through `take_unavailable_requests`) when one cannot be fetched: the worker is never
-asked to load an embedding that is not there, which would kill the engine.
-"""
+image's embedding from the encoder pods by its lease key (docs/vllm-connector.md); vLLM loads it out of tree
+with `"ec_connector_module_path": "receiver.vllm.connector"`."""
 
 from __future__ import annotations
 
@@ -95,6 +75,26 @@ class EncoderServiceConnector(ECConnectorBase):
 
     Extra config (`ec_connector_extra_config`): `encoders` (list of URLs, required), `directory` (/dev/shm)
     and the receiver's settings (ConnectorSettings), listed in docs/vllm-connector.md.
+
+    vLLM loads it out of tree: `--ec-transfer-config '{"ec_connector": "EncoderServiceConnector",
+    "ec_connector_module_path": "receiver.vllm.connector", "ec_role": "ec_consumer",
+    "ec_connector_extra_config": {"encoders": ["grpc://enc-0:50051"]}}'`. A request names each item by a
+    metadata-only embedding part whose `uuid` is `enc:<lease key hex>` (`receiver.fleet.fetch.item_uuid`),
+    optionally with `ec_transfer_params = {"encoder_urls": {uuid: url}}` saying which encoder holds it. For
+    families whose placeholders vLLM sizes from the image (LLaVA-NeXT/OneVision, InternVL, Gemma 3, ...) the
+    part is the raw image with that `uuid`: vLLM's processor sizes the placeholders, and the embedding is still
+    fetched, so vLLM's own tower does not run.
+
+    The module imports on any vLLM; when vLLM creates the connector, `receiver.vllm.contract` refuses a
+    release outside the declared range or one lacking a method, signature or type the connector relies on,
+    naming the version and what is missing.
+
+    The scheduler-side instance fetches (it is asked about every waiting request each step, while the
+    worker is not called at all in a step that schedules nothing); it receives each embedding through the
+    receiver's Fetch path into a file under /dev/shm. The worker-side instance maps that file and puts
+    the mapped tensor itself into vLLM's encoder cache. A request is deferred until all its items are in,
+    and failed alone (through `take_unavailable_requests`) when one cannot be fetched: the worker is never
+    asked to load an embedding that is not there, which would kill the engine.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole):

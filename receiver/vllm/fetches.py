@@ -1,14 +1,6 @@
-"""The scheduler-side half of `EncoderServiceConnector` (receiver/vllm/connector.py): one fetch per item
-identifier, shared by every request that names it, run on an event loop of its own thread; each embedding
-is received into a file under the shared-memory directory, announced to the worker once vLLM allocates its
-encoder-cache slot, and removed when its last request goes.
-
-An item is received in the receiver's layout, `[1 + deepstack levels, tokens, hidden]`; `ItemFile.entry`
-turns the mapped file into the encoder-cache entry vLLM's own tower would have made: `[tokens, hidden]`,
-or for Qwen3-VL the embedding with its deepstack levels after it along hidden, `[tokens, hidden * (1 +
-levels)]` (what `Qwen3VLForConditionalGeneration.embed_multimodal` returns and `_compute_deepstack_embeds`
-splits again).
-"""
+"""The scheduler-side half of `EncoderServiceConnector`: one fetch per item identifier, shared by every
+request naming it, on an event loop of its own thread; each embedding received into a file under the
+shared-memory directory and announced to the worker once vLLM allocates its encoder-cache slot."""
 
 from __future__ import annotations
 
@@ -40,7 +32,14 @@ _FILE_PREFIX = "encoder-connector"
 
 @dataclass(frozen=True)
 class ItemFile:
-    """A received embedding waiting in a file for the worker: [1 + deepstack levels, tokens, hidden] of dtype."""
+    """A received embedding waiting in a file for the worker: [1 + deepstack levels, tokens, hidden] of dtype.
+
+    An item is received in the receiver's layout, `[1 + deepstack levels, tokens, hidden]`; `ItemFile.entry`
+    turns the mapped file into the encoder-cache entry vLLM's own tower would have made: `[tokens, hidden]`,
+    or for Qwen3-VL the embedding with its deepstack levels after it along hidden, `[tokens, hidden * (1 +
+    levels)]` (what `Qwen3VLForConditionalGeneration.embed_multimodal` returns and `_compute_deepstack_embeds`
+    splits again).
+    """
 
     identifier: str
     path: str
