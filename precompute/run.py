@@ -79,8 +79,23 @@ async def precompute(
 ) -> Summary:
     """Encodes every file whose output is missing into `settings.out`; existing outputs must carry
     the backend's stamp."""
-    out_dir, batch_size = settings.out, settings.batch_size
     summary = Summary()
+    by_key = _by_content(files, summary)
+    stamp = await backend.stamp()
+    settings.out.mkdir(parents=True, exist_ok=True)
+    pending = _pending(by_key, settings.out, stamp, summary)
+    bar = tqdm(
+        total=len(by_key), initial=summary.skipped, unit="img", desc="precompute", disable=not settings.progress
+    )
+    try:
+        await _encode_pending(backend, by_key, pending, stamp, settings, summary, bar)
+    finally:
+        bar.close()
+    return summary
+
+
+def _by_content(files: Sequence[Path], summary: Summary) -> dict[str, Path]:
+    """The files by content key, the first of each content only; unreadable files counted as failed."""
     by_key: dict[str, Path] = {}
     for path in files:
         try:
@@ -92,8 +107,11 @@ async def precompute(
             summary.duplicates += 1
         else:
             by_key[key] = path
-    stamp = await backend.stamp()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return by_key
+
+
+def _pending(by_key: dict[str, Path], out_dir: Path, stamp: ModelStamp, summary: Summary) -> list[str]:
+    """The keys whose output is missing or unreadable; raises when an output was made by another model."""
     pending = []
     for key in by_key:
         existing = output_path(out_dir, key)
@@ -111,11 +129,21 @@ async def precompute(
                 "use another output directory for another model"
             )
         summary.skipped += 1
+    return pending
 
-    batches = iter(enumerate(pending[i : i + batch_size] for i in range(0, len(pending), batch_size)))
-    bar = tqdm(
-        total=len(by_key), initial=summary.skipped, unit="img", desc="precompute", disable=not settings.progress
-    )
+
+async def _encode_pending(
+    backend: ServerBackend | InProcessBackend,
+    by_key: dict[str, Path],
+    pending: list[str],
+    stamp: ModelStamp,
+    settings: PrecomputeSettings,
+    summary: Summary,
+    bar: tqdm,
+) -> None:
+    """Encodes `pending` in batches of `settings.batch_size`, `settings.concurrency` batches at a time."""
+    size = settings.batch_size
+    batches = iter(enumerate(pending[i : i + size] for i in range(0, len(pending), size)))
 
     async def worker() -> None:
         for number, keys in batches:
@@ -125,9 +153,8 @@ async def precompute(
                 if isinstance(out, InvalidItemError):
                     summary.failed[str(by_key[key])] = str(out)
                 else:
-                    await asyncio.to_thread(
-                        write_embedding, output_path(out_dir, key), out, stamp, by_key[key].name
-                    )
+                    path = output_path(settings.out, key)
+                    await asyncio.to_thread(write_embedding, path, out, stamp, by_key[key].name)
                     summary.encoded += 1
             bar.update(len(keys))
 
@@ -137,8 +164,6 @@ async def precompute(
     finally:
         for task in workers:
             task.cancel()
-        bar.close()
-    return summary
 
 
 def _read_all(paths: Sequence[Path]) -> list[bytes]:
