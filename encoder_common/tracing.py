@@ -123,9 +123,9 @@ def configure(service_name: str, endpoint: str | None = None) -> bool:
     always); the service name `service_name` unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES name one.
     Returns whether tracing is on.
 
-    HTTP is the default because gRPC's exporter is a synchronous gRPC client: beside the grpc.aio calls of
-    the process it starts gRPC's own I/O threads, which then carry those calls' traffic too and cost the
-    data path far more than the spans do (docs/tracing.md).
+    HTTP is the default because gRPC's exporter is a synchronous gRPC client: its first call starts gRPC's
+    own I/O threads in the process, which from then on carry the process's grpc.aio traffic too (their
+    CPU time grows with the bytes the encoder streams move; docs/tracing.md).
 
     Raises ImportError (naming the extra) when `endpoint` was given and opentelemetry is not installed; an
     endpoint from the environment alone then only logs a warning, since a cluster may set it for every pod.
