@@ -226,6 +226,7 @@ class MachineLoad:
 
     def __init__(self, interval_s: float = 2.0):
         self.interval_s = interval_s
+        self.run = run_identity()  # the commit that runs, taken at the start: HEAD may move during a run
         self.load_before = os.getloadavg()
         self._ours: dict[int, float] = {}  # pid -> the most CPU seconds seen for it
         self._base_ours = self._ours_seconds()
@@ -268,6 +269,7 @@ class MachineLoad:
         seconds = time.monotonic() - self._started
         mean = self._others_cores(self._base_busy, self._base_ours, seconds)
         return {
+            "run": self.run,
             "load_average_before": [round(v, 2) for v in self.load_before],
             "load_average_after": [round(v, 2) for v in os.getloadavg()],
             "others_cores_mean": round(mean, 2),
@@ -308,6 +310,19 @@ def _git(*args: str) -> str:
     return run.stdout.strip() if run.returncode == 0 else ""
 
 
+def run_identity() -> dict:
+    """When a run began, the commit it runs, and whether that code had uncommitted changes (changes to the
+    docs and to the results themselves do not count)."""
+    changed = _git(
+        "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs", ":!*.md", ":!benchmarks"
+    )
+    return {
+        "started_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _git("rev-parse", "HEAD"),
+        "checkout_changed": bool(changed),
+    }
+
+
 def record_result(
     name: str,
     result: Any,
@@ -317,25 +332,19 @@ def record_result(
     command: str | None = None,
 ) -> Path:
     """Writes `<directory>/<name>.json`: the run's figures under `result`, beside the machine, its load
-    (a `MachineLoad` started with the run, or the load average now), the date, the commit (and whether
-    the code that ran had uncommitted changes) and the command. Returns the path."""
+    (a `MachineLoad` started with the run, or the load average now), the date and commit the run started
+    at (from the `MachineLoad`, else now) and the command. Returns the path."""
     if isinstance(load, MachineLoad):
         load = load.summary()
-    now = datetime.datetime.now(datetime.UTC)
+    load = dict(load or {"load_average_after": [round(v, 2) for v in os.getloadavg()]})
+    run = load.pop("run", None) or run_identity()
     document = {
         "benchmark": name,
-        "date": now.date().isoformat(),
-        "started_utc": now.isoformat(timespec="seconds"),
-        "commit": _git("rev-parse", "HEAD"),
-        # Uncommitted changes to what runs (the docs and the results themselves do not count).
-        "checkout_changed": bool(
-            _git(
-                "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs", ":!*.md", ":!benchmarks"
-            )
-        ),
+        "date": run["started_utc"][:10],
+        **run,
         "command": command or " ".join(["python", *sys.argv]),
         "machine": machine_info(),
-        "load": load or {"load_average_after": [round(v, 2) for v in os.getloadavg()]},
+        "load": load,
         "result": result,
     }
     path = Path(directory or RESULTS_DIR) / f"{name}.json"
