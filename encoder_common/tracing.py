@@ -97,10 +97,9 @@ def add_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--otlp-traces-endpoint",
         default=None,
-        help="export OpenTelemetry traces over OTLP to this collector: http://collector:4318/v1/traces, or "
-        "http://collector:4317 with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc (needs the tracing extra); unset: "
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT when set, else no tracing. Sampling, "
-        "service name and exporter settings follow the OTEL_* variables (docs/tracing.md)",
+        help="export traces over OTLP to this collector (http://collector:4318/v1/traces; the tracing extra); "
+        "unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing; "
+        "the other settings are the OTEL_* variables (docs/tracing.md)",
     )
 
 
