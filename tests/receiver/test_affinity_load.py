@@ -106,7 +106,9 @@ async def test_an_image_in_half_the_requests_is_encoded_once_and_the_fleet_serve
                 wall[name] += time.perf_counter() - began
         hot_holder = (await by_content.encode("hot", [{"data": hot}])).items[0]
     fresh = sum(len(r) for r in requests) - len(requests) // 2
-    assert sum(forwards["affinity"].values()) == fresh + 1  # the hot image once, every other image once
+    # Every new image once, the hot image once (twice where its encoder fell behind for a moment and one
+    # request spilled it to its second choice: it is not remembered where it went).
+    assert fresh + 1 <= sum(forwards["affinity"].values()) <= fresh + 2
     assert sum(forwards["random"].values()) > fresh + 1
     assert hot_holder.cache_hit
     # Its encoder serves the hot image from its cache and takes no more than its share of the new images.
