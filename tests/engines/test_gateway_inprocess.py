@@ -25,7 +25,8 @@ def model_dir(request, default_model_dir, tmp_path_factory):
     if request.param == "qwen2_5_vl":
         return default_model_dir
     # vocab 320: room for the 256 byte tokens beside the special tokens at 250-255.
-    return write_engine_files(write_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "model", vocab_size=320))
+    root = tmp_path_factory.mktemp(request.param)
+    return write_engine_files(write_checkpoint(request.param, root / "model", vocab_size=320))
 
 
 def test_llm_generate_with_helper_inputs_equals_raw_images(model_dir, tmp_path):
