@@ -158,7 +158,7 @@ class EncoderReceiver:
         """A leased item (see `encode(lease_ms=...)`) by its key, received into a tensor from `allocate`.
         Asks `prefer_url` first (the encoder that encoded it), then the others; raises
         receiver.fleet.fetch.FetchFailedError, with each encoder's answer, when none streams it."""
-        with tracing.span("receiver.fleet.fetch", attributes={"encoder.request_id": request_id}):
+        with tracing.span("receiver.fetch", attributes={"encoder.request_id": request_id}):
             endpoints = await self._fleet.pool.endpoints()
             deadline = time.monotonic() + (timeout if timeout is not None else self.config.timeout)
             return await fetch_leased(

@@ -220,7 +220,7 @@ class FailoverRun:
             return
         fleet.shard_failed(error)
         retry = self.placement.shard_failed(error)  # raises when the request cannot succeed
-        tracing.event("receiver.back_off" if retry.failover is Failover.BACK_OFF else "receiver.fleet.failover", {
+        tracing.event("receiver.back_off" if retry.failover is Failover.BACK_OFF else "receiver.failover", {
             "encoder.url": encoder.url, "encoder.status": error.status, "encoder.message": error.message,
             "encoder.items": len(retry.item_indices), "encoder.delay_s": retry.delay_s,
         })  # fmt: skip

@@ -314,7 +314,7 @@ async def test_an_encoder_killed_mid_request_shows_as_a_retry_on_the_other(
     calls = check_encoder_calls(trace, receiver_span, urls)
     (failed,) = calls[proxy.url]
     assert failed.status == "ERROR" and failed.attributes["rpc.grpc.status_code"] == 14  # UNAVAILABLE
-    (failover,) = [event for event in receiver_span.events if event[0] == "receiver.fleet.failover"]
+    (failover,) = [event for event in receiver_span.events if event[0] == "receiver.failover"]
     _, at_ns, what = failover
     assert what["encoder.url"] == proxy.url and what["encoder.status"] == "UNAVAILABLE"
     retries = [call for call in calls[survivor.url] if call.start_ns >= at_ns]

@@ -271,7 +271,7 @@ async def test_the_connectors_fetches_join_the_requests_trace(consumer, encoders
     fetches = [span for span in trace if span.name == "connector.fetch"]
     assert all(span.parent_id == caller and span.service == "vllm-consumer" for span in fetches)
     for fetch in fetches:
-        (receiver_fetch,) = children(trace, fetch, "receiver.fleet.fetch")
+        (receiver_fetch,) = children(trace, fetch, "receiver.fetch")
         (call,) = children(trace, receiver_fetch, "encoder.v1.EncoderService/Fetch")
         assert call.kind == "CLIENT" and call.attributes["rpc.grpc.status_code"] == 0
         assert call.attributes["encoder.url"] == encoders[0].url
