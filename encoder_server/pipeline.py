@@ -228,7 +228,7 @@ class ItemPipeline:
         admission.done()  # it counts in the batcher's queue now
         encoded = await future
         if tracing.enabled():
-            _trace_batch(submitted_ns, encoded)
+            _trace_batch(submitted_ns, encoded, forward.index)
         return ItemPayload.build(prepared, encoded, preprocess_ms)
 
     def _prepare(self, data: bytes) -> PreparedImage:
@@ -278,11 +278,12 @@ class _Admission:
             self.pipeline._preprocessing -= 1
 
 
-def _trace_batch(submitted_ns: int, encoded: TimedEmbedding) -> None:
+def _trace_batch(submitted_ns: int, encoded: TimedEmbedding, index: int) -> None:
     """An item's wait in the batcher's queue and its batch's forward, as spans timed by the batcher."""
     forward_ns = submitted_ns + int(encoded.queue_ms * 1e6)
-    tracing.interval("encoder.queue", submitted_ns, forward_ns, {})
+    tracing.interval("encoder.queue", submitted_ns, forward_ns, {"encoder.item.index": index})
     attributes = {
+        "encoder.item.index": index,
         "encoder.batch.size": encoded.batch_size,
         "encoder.batch.tokens": encoded.batch_tokens,
     }
