@@ -411,6 +411,15 @@ def print_table(report: dict, title: str, tower: Tower, repeats: int, max_other_
             print(f"- {name}: {parts}")
 
 
+def error_summary(error: Exception) -> str:
+    """What stopped a configuration, in a line: what failed ("encoder-gateway did not start") and the last line
+    of the log or traceback that came with it."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return repr(error)
+    return (lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1].strip()}")[:300]
+
+
 def tower_model(tower: str, work: Path) -> Path:
     if tower == "tiny":
         return write_default_model(work / "model-tiny")
@@ -468,9 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 report[configuration] = measure(configuration, args, ctx, driver, tower)
             except Exception as error:  # noqa: BLE001 (a peer that fails is reported, and the run goes on)
-                report[configuration] = {
-                    "error": str(error).strip().splitlines()[-1][:300] if str(error).strip() else repr(error)
-                }
+                report[configuration] = {"error": error_summary(error)}
             print(
                 f"{name} / {configuration}: {time.monotonic() - began:.0f} s",
                 "failed" if "error" in report[configuration] else "",
