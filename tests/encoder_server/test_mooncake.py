@@ -336,6 +336,15 @@ async def test_auto_offers_the_engine_once_an_encoder_shows_it_is_on_another_hos
         server.stop(grace_s=10)
 
 
+async def test_auto_offers_nothing_for_a_while_to_an_encoder_on_this_host_without_shared_memory(plain_server):
+    async with EncoderReceiver([plain_server.url]) as rx:  # transfer="auto"
+        first = await rx.encode("first", items(2))
+        assert rx.transfer_stats.fallbacks == {"disabled": 2}
+        second = await rx.encode("second", items(2))
+        assert rx.transfer_stats.fallbacks == {"disabled": 2}  # no offer this time, so no header says no
+    assert_same_bytes(second, first)
+
+
 async def test_a_server_killed_mid_write_fails_over_and_its_slots_come_back_later(tmp_path):
     big = 4 * TOKENS  # 9.8 MB items: a call of 4 spends a while writing
     doomed, survivor = (
