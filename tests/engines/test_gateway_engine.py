@@ -11,9 +11,8 @@ import signal
 import aiohttp
 import pytest
 
-from encoder_common.vllm_inputs import GridEmbeds
 from encoder_common import tracing
-from gateway.handoff import image_embeds_part
+from encoder_common.vllm_inputs import GridEmbeds
 from receiver import EncoderReceiver
 from testkit.fault_proxy import fault_proxy
 from testkit.launcher import launch_server
