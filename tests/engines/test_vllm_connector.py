@@ -49,6 +49,7 @@ CASES = {
     "after-kill": images([(112, 168)], seed=12),
     "evicted": images([(140, 140)], seed=13),
     "evictor": images([(140, 140)], seed=14),
+    "traced": images([(112, 140), (168, 168)], seed=18),  # leased by the trace test alone
     "expired": images([(112, 84)], seed=15),
     "after-expiry": images([(140, 84)], seed=16),
     "after-unknown": images([(84, 140)], seed=17),
@@ -256,7 +257,7 @@ async def test_the_connectors_fetches_join_the_requests_trace(consumer, encoders
     """A request carrying a `traceparent`: each leased item's fetch in vLLM's engine core is a span of that
     trace, with the receiver's Fetch call under it."""
     trace_id, caller = "5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"
-    parts = await leased_parts([encoders[0].url], CASES["2"])
+    parts = await leased_parts([encoders[0].url], CASES["traced"])
     body = chat_request(MODEL, parts)
     headers = {"traceparent": f"00-{trace_id}-{caller}-01"}
     async with session.post(f"{consumer.url}/v1/chat/completions", json=body, headers=headers) as reply:
