@@ -141,16 +141,16 @@ def inject(bug: str) -> None:
 
     from PIL import Image
 
-    from encoder_server import cache, pipeline
+    from encoder_server import cache, pipeline, sender
 
     if bug == "slot_swap":
-        payloads = pipeline.ItemPipeline.payloads
+        items = sender.ItemSender.items
 
-        async def swapped(self, items, charge, images=None):
+        async def swapped(self, flows):
             held = []
-            async with contextlib.aclosing(payloads(self, items, charge, images)) as outs:
+            async with contextlib.aclosing(items(self, flows)) as outs:
                 async for out in outs:
-                    if len(items) < 2 or held is None:
+                    if len(flows) < 2 or held is None:
                         yield out
                         continue
                     held.append(out)
@@ -160,7 +160,7 @@ def inject(bug: str) -> None:
                         yield dataclasses.replace(first, payload=second.payload)
                         yield dataclasses.replace(second, payload=first.payload)
 
-        pipeline.ItemPipeline.payloads = swapped
+        sender.ItemSender.items = swapped
     elif bug == "key_collision":
         real_key = cache.content_key
         sizes: dict[bytes, bytes] = {}  # content sha256 -> that of the image's size alone

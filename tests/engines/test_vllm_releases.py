@@ -29,7 +29,7 @@ import vllm
 from vllm.distributed.ec_transfer.ec_connector import base
 
 def check():
-    from receiver import vllm_connector, vllm_contract
+    from receiver.vllm import connector as vllm_connector, contract as vllm_contract
     try:
         vllm_contract.check_vllm_contract(vllm_connector.EncoderServiceConnector)
         return None
