@@ -19,8 +19,9 @@ render_results = load_script("render_results")
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 MAX_PAGE_WORDS = 2500
-MAX_TOTAL_WORDS = 20000  # README.md and every page of docs/ a reader reads, tables drawn from results included
-# Made from the command parsers by scripts/gen_cli_reference.py: a table to look a flag up in, not read.
+MAX_TOTAL_WORDS = 20000  # README.md and every page of docs/, the generated ones and result tables included
+# Made from the command parsers by scripts/gen_cli_reference.py: a table to look a flag up in, exempt from the
+# per-page limit but counted in the set's total.
 GENERATED_PAGES = {"cli-reference.md"}
 MAX_CELL_CHARS = 300
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
@@ -62,7 +63,8 @@ def test_each_page_is_short(page):
 
 
 def test_the_whole_set_is_short():
-    total = sum(words(page) for page in PAGES if page.name not in GENERATED_PAGES)
+    """Every page counts, the generated CLI reference too: a flag added grows the set a reader is handed."""
+    total = sum(words(page) for page in PAGES)
     assert total <= MAX_TOTAL_WORDS, (
         f"README.md and docs/ hold {total} words; the set holds {MAX_TOTAL_WORDS}"
     )
