@@ -10,7 +10,7 @@ import re
 SUPPORTED_VLLM_FROM = (0, 31)
 SUPPORTED_VLLM_BELOW = (0, 34)
 # The tower backend drives vLLM's renderer, multimodal batching and `embed_multimodal` on a model loaded
-# with `mm_encoder_only`: read and tested in 0.32.0 only (docs/performance.md, "Tower backends").
+# with `mm_encoder_only`: read and tested in 0.32.0 only (docs/architecture.md, "Tower backends").
 TOWER_BACKEND_VLLM_FROM = (0, 32)
 TOWER_BACKEND_VLLM_BELOW = (0, 33)
 
