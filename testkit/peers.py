@@ -19,7 +19,7 @@ from pathlib import Path
 from testkit import REPO_ROOT
 from testkit.launcher import launch_server
 from testkit.sglang_server import language_only_args, launch_sglang
-from testkit.vllm_server import connector_transfer_config, free_port, launch_vllm, serving
+from testkit.vllm_server import connector_transfer_config, free_port, launch_vllm, serving, side_by_side
 
 MODEL = "tiny"  # every configuration's served model name
 MAX_IMAGES = 4
@@ -116,7 +116,7 @@ def vllm_epd(ctx: Context) -> Iterator[Running]:
             ctx.model_dir, log_path=ctx.log(f"vllm-{role}"), max_images=MAX_IMAGES, extra_args=flags
         )
 
-    with instance("ec_producer") as producer, instance("ec_consumer") as consumer:
+    with side_by_side(instance("ec_producer"), instance("ec_consumer")) as (producer, consumer):
         url = f"http://127.0.0.1:{free_port()}"
         argv = [sys.executable, str(REPO_ROOT / "testkit" / "epd_proxy.py"), "--port", url.rsplit(":", 1)[1],
                 "--encoder", producer.url, "--engine", consumer.url]  # fmt: skip

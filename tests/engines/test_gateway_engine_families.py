@@ -8,6 +8,7 @@ start-up refusal of the other families is tests/gateway/test_handoff_families.py
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +20,13 @@ from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.image_set import image_set
 from testkit.servers import running_server
-from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm, start_vllm_encoder
+from testkit.vllm_server import (
+    ENGINES_PYTHON,
+    connector_transfer_config,
+    launch_vllm,
+    side_by_side,
+    start_vllm_encoder,
+)
 from tests.support.gateway import (
     chat_request,
     complete,
@@ -117,21 +124,6 @@ def engine_args(dtype: torch.dtype, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-async def reference(model_dir, dtype, tmp_path_factory):
-    """vLLM alone on the real checkpoint, running its own tower on the raw images: its answer to every case.
-    Stopped before the consumer starts (one engine at a time on this machine)."""
-    if not ENGINES_PYTHON.exists():
-        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
-    log_path = tmp_path_factory.mktemp("vllm-alone") / "vllm.log"
-    with launch_vllm(model_dir, log_path=log_path, extra_args=engine_args(dtype)) as server:
-        async with engine_session() as client:
-            return {
-                case: await complete(client, server.url, chat_request(MODEL, [image_part(p) for p in pngs]))
-                for case, pngs in CASES.items()
-            }
-
-
-@pytest.fixture(scope="module")
 async def encoders(model_type, model_dir, dtype, tmp_path_factory):
     """Two encoder servers on the checkpoint, of the backend the table names."""
     if MODEL_TYPES[model_type].backend == "transformers":
@@ -143,10 +135,12 @@ async def encoders(model_type, model_dir, dtype, tmp_path_factory):
         return
     log_dir = tmp_path_factory.mktemp("vllm-encoders")
     name = str(dtype).removeprefix("torch.")
-    servers = []
+    with ThreadPoolExecutor(2) as pool:  # side by side, as the engines below
+        starts = [pool.submit(start_vllm_encoder, model_dir, log_dir / f"encoder-{n}.log", dtype=name) for n in range(2)]
+    servers = [start.result() for start in starts if start.exception() is None]
     try:
-        for n in range(2):
-            servers.append(start_vllm_encoder(model_dir, log_dir / f"encoder-{n}.log", dtype=name))
+        for start in starts:
+            start.result()  # raises the failed start-up's error, once those that started are in `servers`
         yield tuple(server.url for server in servers)
     finally:
         for server in servers:
@@ -154,14 +148,35 @@ async def encoders(model_type, model_dir, dtype, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def consumer(model_dir, dtype, reference, encoders, tmp_path_factory):
-    """vLLM on a copy whose vision weights are zeros, as an ec_consumer with EncoderServiceConnector: it
-    takes inline embeddings and fetches leased ones, and its own tower would answer wrongly."""
+def engines(model_dir, dtype, encoders, tmp_path_factory):
+    """vLLM alone on the real checkpoint (its own tower runs on the raw images), and vLLM on a copy whose
+    vision weights are zeros, as an ec_consumer with EncoderServiceConnector: it takes inline embeddings and
+    fetches leased ones, and its own tower would answer wrongly. Started side by side."""
+    if not ENGINES_PYTHON.exists():
+        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
     zeroed = zeroed_tower_copy(model_dir, tmp_path_factory.mktemp("zeroed") / "model")
-    args = engine_args(dtype, "--ec-transfer-config", connector_transfer_config(encoders, timeout=60))
-    log_path = tmp_path_factory.mktemp("vllm-consumer") / "vllm.log"
-    with launch_vllm(zeroed, log_path=log_path, extra_args=args) as server:
-        yield server
+    consumer_args = engine_args(dtype, "--ec-transfer-config", connector_transfer_config(encoders, timeout=60))
+    logs = tmp_path_factory.mktemp("vllm")
+    with side_by_side(
+        launch_vllm(model_dir, log_path=logs / "alone.log", extra_args=engine_args(dtype)),
+        launch_vllm(zeroed, log_path=logs / "consumer.log", extra_args=consumer_args),
+    ) as (alone, consumer):
+        yield alone, consumer
+
+
+@pytest.fixture(scope="module")
+async def reference(engines):
+    """vLLM alone's answer to every case."""
+    async with engine_session() as client:
+        return {
+            case: await complete(client, engines[0].url, chat_request(MODEL, [image_part(p) for p in pngs]))
+            for case, pngs in CASES.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def consumer(engines):
+    return engines[1]
 
 
 @pytest.mark.parametrize("handoff", ["inline", "connector"])

@@ -10,7 +10,7 @@ import pytest
 
 from testkit.image_set import image_set, refused_images
 from testkit.servers import running_server
-from testkit.vllm_server import connector_transfer_config
+from testkit.vllm_server import connector_transfer_config, side_by_side
 from tests.support.gateway import (
     chat_request,
     complete,
@@ -36,38 +36,44 @@ def request(data: bytes) -> dict:
 
 
 @pytest.fixture(scope="module")
-async def reference(default_model_dir, tmp_path_factory):
-    """vLLM alone on the real checkpoint, given each image's bytes: its answer, or its refusal.
-    Stopped before the blind engine starts (one engine at a time on this machine)."""
-    answers, refusals = {}, {}
-    with engine_server(default_model_dir, tmp_path_factory.mktemp("vllm-alone"), extra_args=SERVED) as server:
-        async with engine_session() as session:
-            for name, data in IMAGES.items():
-                answers[name] = await complete(session, server.url, request(data))
-            for name, (data, _) in REFUSED.items():
-                try:
-                    async with session.post(f"{server.url}/v1/chat/completions", json=request(data)) as reply:
-                        refusals[name] = f"{reply.status}: {await reply.text()}"
-                except aiohttp.ClientError as exc:  # a decompression bomb is a 500 from vLLM 0.32; seen dropped
-                    refusals[name] = f"connection lost: {exc}"
-    return answers, refusals
-
-
-@pytest.fixture(scope="module")
 async def encoder(default_model_dir):
     async with running_server(default_model_dir) as server:  # float32, the default (vllm) profile
         yield server
 
 
 @pytest.fixture(scope="module")
-async def blind_vllm(reference, encoder, default_model_dir, tmp_path_factory):
-    """vLLM on the zeroed-tower copy, as ec_consumer of the encoder (for the connector hand-off); it takes
-    inline image_embeds parts too."""
+def engines(encoder, default_model_dir, tmp_path_factory):
+    """vLLM alone on the real checkpoint, and vLLM on the zeroed-tower copy as ec_consumer of the encoder (for
+    the connector hand-off; it takes inline image_embeds parts too), started side by side."""
     model_dir = zeroed_tower_copy(default_model_dir, tmp_path_factory.mktemp("zeroed-tower") / "model")
-    log_dir = tmp_path_factory.mktemp("vllm-blind")
     consumer = [*SERVED, "--ec-transfer-config", connector_transfer_config([encoder.url], timeout=60)]
-    with engine_server(model_dir, log_dir, extra_args=consumer) as server:
-        yield server
+    with side_by_side(
+        engine_server(default_model_dir, tmp_path_factory.mktemp("vllm-alone"), extra_args=SERVED),
+        engine_server(model_dir, tmp_path_factory.mktemp("vllm-blind"), extra_args=consumer),
+    ) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+async def reference(engines):
+    """vLLM alone, given each image's bytes: its answer, or its refusal."""
+    url = engines[0].url
+    answers, refusals = {}, {}
+    async with engine_session() as session:
+        for name, data in IMAGES.items():
+            answers[name] = await complete(session, url, request(data))
+        for name, (data, _) in REFUSED.items():
+            try:
+                async with session.post(f"{url}/v1/chat/completions", json=request(data)) as reply:
+                    refusals[name] = f"{reply.status}: {await reply.text()}"
+            except aiohttp.ClientError as exc:  # a decompression bomb is a 500 from vLLM 0.32; seen dropped
+                refusals[name] = f"connection lost: {exc}"
+    return answers, refusals
+
+
+@pytest.fixture(scope="module")
+def blind_vllm(engines):
+    return engines[1]
 
 
 @pytest.fixture(scope="module", params=["inline", "connector"])

@@ -12,7 +12,7 @@ from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.servers import running_server
-from testkit.vllm_server import connector_transfer_config
+from testkit.vllm_server import connector_transfer_config, side_by_side
 from tests.support.gateway import (
     chat_request,
     complete,
@@ -50,28 +50,35 @@ def qwen3_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def reference(qwen3_model, tmp_path_factory):
-    """vLLM alone on the real checkpoint, running its own tower on the raw images: its answer to every case.
-    Stopped before the consumer starts (one engine at a time on this machine)."""
-    with engine_server(qwen3_model, tmp_path_factory.mktemp("vllm-alone"), extra_args=SERVED) as server:
-        async with engine_session() as session:
-            return {case: await complete(session, server.url, request(case)) for case in CASES}
-
-
-@pytest.fixture(scope="module")
 async def encoder(qwen3_model):
     async with running_server(qwen3_model) as server:  # float32, the default (vllm) profile
         yield server
 
 
 @pytest.fixture(scope="module")
-def consumer(qwen3_model, reference, encoder, tmp_path_factory):
-    """vLLM on a copy whose vision weights (deepstack mergers included) are zeros, as an ec_consumer with
-    EncoderServiceConnector: it takes inline embeddings and fetches leased ones."""
+def engines(qwen3_model, encoder, tmp_path_factory):
+    """vLLM alone on the real checkpoint, and vLLM on a copy whose vision weights (deepstack mergers
+    included) are zeros, as an ec_consumer with EncoderServiceConnector (it takes inline embeddings and
+    fetches leased ones), started side by side."""
     zeroed = zeroed_tower_copy(qwen3_model, tmp_path_factory.mktemp("zeroed") / "model")
     args = [*SERVED, "--ec-transfer-config", connector_transfer_config([encoder.url], timeout=60)]
-    with engine_server(zeroed, tmp_path_factory.mktemp("vllm-consumer"), extra_args=args) as server:
-        yield server
+    with side_by_side(
+        engine_server(qwen3_model, tmp_path_factory.mktemp("vllm-alone"), extra_args=SERVED),
+        engine_server(zeroed, tmp_path_factory.mktemp("vllm-consumer"), extra_args=args),
+    ) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+async def reference(engines):
+    """vLLM alone, running its own tower on the raw images: its answer to every case."""
+    async with engine_session() as session:
+        return {case: await complete(session, engines[0].url, request(case)) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def consumer(engines):
+    return engines[1]
 
 
 async def test_the_encoders_send_deepstack_levels(encoder):

@@ -138,10 +138,10 @@ async def answers(default_model_dir, tmp_path_factory):
         )
 
         bodies = {**generates, "chat": chat_body}
-        alone = await answer_all(session, default_model_dir, logs / "alone.log", bodies)
         args, env = language_only_args([pod.url for pod in pods])
-        on_pods = await answer_all(
-            session, default_model_dir, logs / "language-only.log", bodies, extra_args=args, extra_env=env
+        alone, on_pods = await asyncio.gather(  # side by side: an engine's start-up mostly waits
+            answer_all(session, default_model_dir, logs / "alone.log", bodies),
+            answer_all(session, default_model_dir, logs / "language-only.log", bodies, extra_args=args, extra_env=env),
         )
         yield {
             "alone": alone,

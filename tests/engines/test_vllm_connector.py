@@ -21,7 +21,7 @@ from receiver import EncoderReceiver
 from testkit.launcher import launch_server
 from testkit.otlp_collector import OtlpCollector, children
 from testkit.servers import running_server
-from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm
+from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm, side_by_side
 from tests.support.gateway import (
     chat_request,
     complete,
@@ -73,23 +73,6 @@ def served(extra: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-async def reference(default_model_dir, tmp_path_factory):
-    """vLLM alone on the real checkpoint, running its own tower on the raw images: its answer to every
-    case. Stopped before the consumer starts (one engine at a time on this machine)."""
-    if not ENGINES_PYTHON.exists():
-        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
-    log_path = tmp_path_factory.mktemp("vllm-alone") / "vllm.log"
-    answers = {}
-    with launch_vllm(default_model_dir, log_path=log_path, extra_args=served([])) as server:
-        async with engine_session() as client:
-            for case, pngs in CASES.items():
-                answers[case] = await complete(
-                    client, server.url, chat_request(MODEL, [image_part(p) for p in pngs])
-                )
-    return answers
-
-
-@pytest.fixture(scope="module")
 async def encoders(default_model_dir):
     """Two encoders with the default lease budget, and one whose budget holds one 140x140 item (25 tokens
     x 2048 float32, 200 KiB) but not two."""
@@ -118,18 +101,39 @@ def collector():
 
 
 @pytest.fixture(scope="module")
-async def consumer(reference, encoders, killable_encoder, zeroed_tower_model, tmp_path_factory, collector):
-    """vLLM as ec_consumer with EncoderServiceConnector, on the zeroed-tower checkpoint, tracing."""
+def engines(encoders, killable_encoder, zeroed_tower_model, default_model_dir, tmp_path_factory, collector):
+    """vLLM alone on the real checkpoint, and vLLM as ec_consumer with EncoderServiceConnector on the
+    zeroed-tower checkpoint, tracing; started side by side."""
+    if not ENGINES_PYTHON.exists():
+        pytest.fail(f"{ENGINES_PYTHON} is missing: run ./scripts/setup_engines.sh (scripts/test.sh does)")
     urls = [server.url for server in encoders] + [killable_encoder.url]
-    log_path = tmp_path_factory.mktemp("vllm-consumer") / "vllm.log"
+    logs = tmp_path_factory.mktemp("vllm")
     transfer = ["--ec-transfer-config", connector_transfer_config(urls, timeout=60)]
-    with launch_vllm(
-        zeroed_tower_model,
-        log_path=log_path,
-        extra_args=served([*transfer, "--otlp-traces-endpoint", collector.grpc_endpoint]),
-        extra_env={"OTEL_SERVICE_NAME": "vllm-consumer", "OTEL_BSP_SCHEDULE_DELAY": "100"},
-    ) as server:
-        yield server
+    with side_by_side(
+        launch_vllm(default_model_dir, log_path=logs / "alone.log", extra_args=served([])),
+        launch_vllm(
+            zeroed_tower_model,
+            log_path=logs / "consumer.log",
+            extra_args=served([*transfer, "--otlp-traces-endpoint", collector.grpc_endpoint]),
+            extra_env={"OTEL_SERVICE_NAME": "vllm-consumer", "OTEL_BSP_SCHEDULE_DELAY": "100"},
+        ),
+    ) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+async def reference(engines):
+    """vLLM alone, running its own tower on the raw images: its answer to every case."""
+    async with engine_session() as client:
+        return {
+            case: await complete(client, engines[0].url, chat_request(MODEL, [image_part(p) for p in pngs]))
+            for case, pngs in CASES.items()
+        }
+
+
+@pytest.fixture(scope="module")
+def consumer(engines):
+    return engines[1]
 
 
 @pytest.fixture(scope="module")
