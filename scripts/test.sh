@@ -12,14 +12,21 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   exec .venv/bin/python -m pytest -m "not engine and not services" "$@"
 fi
-./scripts/setup_engines.sh
-./scripts/setup_sglang.sh
+# The engines' venvs install side by side (pip mostly waits on the index and the disk); the Debian
+# services one after another (apt's lock).
+./scripts/setup_engines.sh & engines=$!
+./scripts/setup_sglang.sh & sglang=$!
+if [ "$#" -eq 0 ]; then
+  ./scripts/setup_engines.sh --previous & previous=$!
+fi
 ./scripts/setup_prometheus.sh
 ./scripts/setup_redis.sh
+wait "$engines"
+wait "$sglang"
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-./scripts/setup_engines.sh --previous
+wait "$previous"
 .venv/bin/python -m pytest
 echo "== the connector's engine tests again, on the previous vLLM release (.venv-engines-prev)"
 ENGINES_VENV=.venv-engines-prev exec .venv/bin/python -m pytest -m engine tests/engines/test_vllm_connector.py

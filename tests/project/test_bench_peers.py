@@ -1,7 +1,7 @@
 """The peers benchmark: every request of a run counted from `vllm bench serve`'s per-request record (failures
 by kind, goodput within the SLO, percentiles with a failure as a missed SLO), repeats summed up as their
 median and range, tokens compared with the engine alone for every other configuration; and end to end on
-the tiny tower: vLLM alone, vLLM's own EPD and ours (inline), each answering with its engine alone's tokens,
+the tiny tower: vLLM alone and ours (inline), each answering with its engine alone's tokens,
 with its CPU time per request accounted to the processes that spent it and the machine's other load recorded."""
 
 from __future__ import annotations
@@ -87,8 +87,10 @@ def test_the_benchmarks_own_cpu_time_counts_its_children_alive_and_reaped():
 
 
 @pytest.mark.engine
-def test_three_configurations_answer_like_vllm_alone_and_account_their_cpu(tmp_path):
-    configurations = ("vllm-alone", "vllm-epd", "ours-inline")
+def test_the_engine_alone_and_ours_answer_alike_and_account_their_cpu(tmp_path):
+    """vLLM's own EPD pair is left to the benchmark: its encoder instance profiles the tower at its largest
+    input for ~2.5 min on this machine's one bound core before it serves."""
+    configurations = ("vllm-alone", "ours-inline")
     script = REPO_ROOT / "scripts" / "bench_peers.py"
     argv = [sys.executable, str(script), "--tower", "tiny", "--rates", "inf", "--prompts", "2", "--warmup", "1",
             "--repeats", "1", "--allow-busy", "--configurations", ",".join(configurations), "--out", str(tmp_path)]  # fmt: skip
@@ -106,6 +108,6 @@ def test_three_configurations_answer_like_vllm_alone_and_account_their_cpu(tmp_p
         assert entry["cpu_s_per_request"] > 0 and entry["peak_rss_gib"] > 0 and entry["other_cores_max"] >= 0
     ours = report["ours-inline"]
     assert {"encoder_server", "gateway"} <= set(ours["cpu_s_per_request_by_process"])
-    assert ours["encoder_images_per_s"] > 0 and report["vllm-epd"]["encoder_images_per_s"] > 0
+    assert ours["encoder_images_per_s"] > 0
     assert "| ours-inline | 2: 2 / 0 |" in run.stdout and "| 2 / 2 |" in run.stdout and "(the reference)" in run.stdout
     assert "CPU seconds per request (all rates and repeats), by process:" in run.stdout
