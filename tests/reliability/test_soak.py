@@ -78,13 +78,17 @@ def test_a_failure_is_excused_only_by_its_documented_cause():
     assert soak.failure_cause(request(["first"], 503, **gateway), [lane_fault], lanes) == "fault"
 
 
-QUICK_SOAK = ("--duration-s", "20", "--seed", "5", "--fault-gap-s", "1", "3", "--fault-hold-s", "1", "3",
-              "--concurrent-faults", "2", "--engine", "off")  # fmt: skip
+QUICK_SOAK = ("--seed", "5", "--fault-gap-s", "1", "3", "--fault-hold-s", "1", "3", "--concurrent-faults", "2",
+              "--engine", "off")  # fmt: skip
+# Seconds of each run: a planted bug shows within a few seconds of multi-item requests and repeated sizes.
+QUICK_SOAK_S = {None: "20", "slot_swap": "12", "key_collision": "12"}
 
 
 @pytest.mark.parametrize("bug", [None, *soak.INJECTIONS])
 def test_the_soak_fails_when_a_slot_swap_or_a_key_collision_is_planted_and_passes_without(tmp_path, bug):
-    run, summary, recorded = run_soak(tmp_path, *QUICK_SOAK, *(["--inject", bug] if bug else []))
+    run, summary, recorded = run_soak(
+        tmp_path, "--duration-s", QUICK_SOAK_S[bug], *QUICK_SOAK, *(["--inject", bug] if bug else [])
+    )
     assert summary["injected"] == bug and summary["faults"], summary
     if bug is None:
         assert run.returncode == 0 and summary["broken_invariants"] == [], summary
