@@ -393,7 +393,7 @@ async def test_a_server_killed_mid_write_fails_over_and_its_slots_come_back_late
 
 @pytest.mark.xfail(
     strict=False,
-    reason="on the merged main, under load, the first write never landed within 60 s (the engine logged "
+    reason="on the merged main, now and then the first write never lands (within 60 s under load; the engine logged "
     "'Local segment descriptor not found'); open in issue 52",
 )
 async def test_a_receiver_closing_while_writes_are_in_flight_leaves_the_server_serving(tmp_path):
@@ -401,7 +401,7 @@ async def test_a_receiver_closing_while_writes_are_in_flight_leaves_the_server_s
     try:
         rx = engine_receiver([server.url], slots=8)
         call = asyncio.create_task(rx.encode("closing", items(6)))
-        assert await wait_until(lambda: rx.transfer_stats.items_mooncake >= 1, timeout=60)
+        assert await wait_until(lambda: rx.transfer_stats.items_mooncake >= 1, timeout=20)  # ~1 s when it lands
         call.cancel()
         await rx.close()  # the engine stops while the server may still be writing into it
         with pytest.raises(asyncio.CancelledError):
