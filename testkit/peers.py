@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testkit import REPO_ROOT
-from testkit.launcher import launch_server
+from testkit.launcher import launch_server, side_by_side
 from testkit.sglang_server import language_only_args, launch_sglang
-from testkit.vllm_server import connector_transfer_config, free_port, launch_vllm, serving, side_by_side
+from testkit.vllm_server import connector_transfer_config, free_port, launch_vllm, serving
 
 MODEL = "tiny"  # every configuration's served model name
 MAX_IMAGES = 4

@@ -18,10 +18,8 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from testkit import REPO_ROOT
 from testkit.launcher import LaunchedProcess, server_argv, start_process
@@ -70,6 +68,16 @@ def start_vllm_encoder(
     caller stops it. The default timeout allows for vLLM's start-up on a shared 2-core machine."""
     argv = [str(ENGINES_PYTHON), *server_argv(model_dir, "--backend", "vllm", "--dtype", dtype)[1:]]
     return start_process(argv, log_path, env=engines_env(), timeout=timeout)
+
+
+@contextlib.contextmanager
+def launch_vllm_encoder(model_dir: str | Path, log_path: Path, *, dtype: str = "float32") -> Iterator[LaunchedProcess]:
+    """`start_vllm_encoder`, stopped on exit (10 s to drain)."""
+    server = start_vllm_encoder(model_dir, log_path, dtype=dtype)
+    try:
+        yield server
+    finally:
+        server.stop(grace_s=10)
 
 
 def connector_transfer_config(encoders: Sequence[str], **extra: object) -> str:
@@ -131,21 +139,6 @@ def launch_vllm(
         server = VllmServer(process, f"http://127.0.0.1:{port}", log_path)
         with serving(process, server.url, log_path, timeout=timeout, name="vLLM"):
             yield server
-
-
-@contextlib.contextmanager
-def side_by_side(*launches: contextlib.AbstractContextManager[Any]) -> Iterator[list[Any]]:
-    """Enters engine launches (`launch_vllm`, `launch_sglang`) at once and gives what each gives, in order;
-    stops them all on exit, and those that started when another fails to. An engine's start-up mostly
-    waits: two vLLM start-ups side by side take about 1.1x one's time on a 2-core machine, four 2.4x."""
-    with ThreadPoolExecutor(len(launches)) as pool:
-        futures = [pool.submit(launch.__enter__) for launch in launches]
-        wait(futures)
-    with contextlib.ExitStack() as stack:
-        for launch, future in zip(launches, futures):
-            if future.exception() is None:
-                stack.push(launch.__exit__)
-        yield [future.result() for future in futures]
 
 
 @contextlib.contextmanager

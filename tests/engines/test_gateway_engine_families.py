@@ -8,7 +8,6 @@ start-up refusal of the other families is tests/gateway/test_handoff_families.py
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -19,15 +18,16 @@ from gateway.handoff import check_family
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
 from testkit.image_set import image_set
+from testkit.launcher import side_by_side
 from testkit.servers import running_server
 from testkit.vllm_server import (
     ENGINES_PYTHON,
     connector_transfer_config,
     launch_vllm,
-    side_by_side,
-    start_vllm_encoder,
+    launch_vllm_encoder,
 )
 from tests.support.gateway import (
+    answers,
     chat_request,
     complete,
     engine_session,
@@ -135,16 +135,8 @@ async def encoders(model_type, model_dir, dtype, tmp_path_factory):
         return
     log_dir = tmp_path_factory.mktemp("vllm-encoders")
     name = str(dtype).removeprefix("torch.")
-    with ThreadPoolExecutor(2) as pool:  # side by side, as the engines below
-        starts = [pool.submit(start_vllm_encoder, model_dir, log_dir / f"encoder-{n}.log", dtype=name) for n in range(2)]
-    servers = [start.result() for start in starts if start.exception() is None]
-    try:
-        for start in starts:
-            start.result()  # raises the failed start-up's error, once those that started are in `servers`
+    with side_by_side(*(launch_vllm_encoder(model_dir, log_dir / f"encoder-{n}.log", dtype=name) for n in range(2))) as servers:
         yield tuple(server.url for server in servers)
-    finally:
-        for server in servers:
-            server.stop(grace_s=10)
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +159,7 @@ def engines(model_dir, dtype, encoders, tmp_path_factory):
 @pytest.fixture(scope="module")
 async def reference(engines):
     """vLLM alone's answer to every case."""
-    async with engine_session() as client:
-        return {
-            case: await complete(client, engines[0].url, chat_request(MODEL, [image_part(p) for p in pngs]))
-            for case, pngs in CASES.items()
-        }
+    return await answers(engines[0].url, MODEL, CASES)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ import aiohttp
 import pytest
 
 from testkit.image_set import image_set, refused_images
+from testkit.launcher import side_by_side
 from testkit.servers import running_server
-from testkit.vllm_server import connector_transfer_config, side_by_side
+from testkit.vllm_server import connector_transfer_config
 from tests.support.gateway import (
     chat_request,
     complete,

@@ -11,8 +11,9 @@ import pytest
 from receiver import EncoderReceiver
 from testkit.checkpoints import write_checkpoint
 from testkit.engine_files import write_engine_files
+from testkit.launcher import side_by_side
 from testkit.servers import running_server
-from testkit.vllm_server import connector_transfer_config, side_by_side
+from testkit.vllm_server import connector_transfer_config
 from tests.support.gateway import (
     chat_request,
     complete,

@@ -18,11 +18,12 @@ from gateway.app import start
 from gateway.config import GatewayConfig
 from gateway.handoff import leased_part
 from receiver import EncoderReceiver
-from testkit.launcher import launch_server
+from testkit.launcher import launch_server, side_by_side
 from testkit.otlp_collector import OtlpCollector, children
 from testkit.servers import running_server
-from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm, side_by_side
+from testkit.vllm_server import ENGINES_PYTHON, connector_transfer_config, launch_vllm
 from tests.support.gateway import (
+    answers,
     chat_request,
     complete,
     engine_session,
@@ -124,11 +125,7 @@ def engines(encoders, killable_encoder, zeroed_tower_model, default_model_dir, t
 @pytest.fixture(scope="module")
 async def reference(engines):
     """vLLM alone, running its own tower on the raw images: its answer to every case."""
-    async with engine_session() as client:
-        return {
-            case: await complete(client, engines[0].url, chat_request(MODEL, [image_part(p) for p in pngs]))
-            for case, pngs in CASES.items()
-        }
+    return await answers(engines[0].url, MODEL, CASES)
 
 
 @pytest.fixture(scope="module")

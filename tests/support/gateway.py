@@ -26,6 +26,15 @@ def engine_server(model_dir: Path, log_dir: Path, extra_args: Sequence[str] = ()
         yield server
 
 
+async def answers(url: str, model: str, cases: dict[str, list[bytes]]) -> dict[str, list]:
+    """The engine at `url`'s answer to each case: a chat request with the case's images (`complete`'s form)."""
+    async with engine_session() as session:
+        return {
+            case: await complete(session, url, chat_request(model, [image_part(data) for data in images]))
+            for case, images in cases.items()
+        }
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(engine_url: str | None, encoders: Sequence[str], **options: Any) -> AsyncIterator[str]:
     """encoder-gateway on 127.0.0.1 (an OS-chosen port) in front of `engine_url` (None: a port nothing
